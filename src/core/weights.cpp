@@ -1,0 +1,178 @@
+#include "kmla/weights.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "kmla/error.hpp"
+#include "kmla/numeric.hpp"
+
+namespace kmla {
+
+namespace {
+
+struct Expect {
+  const char* name;
+  const HostTensor* t;
+  bool needed;
+  int64_t rows, cols;  // cols = 0 for 1-D
+};
+
+std::vector<Expect> expectations(const MlaWeights& w, const MlaConfig& c) {
+  const int64_t H = c.local_heads();
+  const bool lora = c.q_lora_rank.has_value();
+  const int64_t ql = c.q_lora_rank.value_or(0);
+  return {
+      {"q_a_proj", &w.q_a_proj, lora, ql, c.hidden_size},
+      {"q_a_layernorm", &w.q_a_layernorm, lora, ql, 0},
+      {"q_b_proj", &w.q_b_proj, lora, H * kQkHeadDim, ql},
+      {"q_proj", &w.q_proj, !lora, H * kQkHeadDim, c.hidden_size},
+      {"kv_a_proj_with_mqa", &w.kv_a_proj_with_mqa, true, kLatentDim, c.hidden_size},
+      {"kv_a_layernorm", &w.kv_a_layernorm, true, kKvLoraRank, 0},
+      {"kv_b_proj", &w.kv_b_proj, true, H * kKvBOut, kKvLoraRank},
+      {"g_proj", &w.g_proj, c.use_output_gate, H * kVDim, c.hidden_size},
+      {"o_proj", &w.o_proj, true, c.hidden_size, H * kVDim},
+  };
+}
+
+// Deterministic normal samples (splitmix64 + Box-Muller): the same on every platform.
+struct Normal {
+  uint64_t state;
+  bool has_spare = false;
+  double spare = 0;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (double(next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+  double operator()() {
+    if (has_spare) {
+      has_spare = false;
+      return spare;
+    }
+    const double u = uniform(), v = uniform();
+    const double r = std::sqrt(-2.0 * std::log(u));
+    spare = r * std::sin(2 * M_PI * v);
+    has_spare = true;
+    return r * std::cos(2 * M_PI * v);
+  }
+};
+
+uint16_t to_act(float x, DType t) { return t == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x); }
+
+HostTensor random_matrix(Normal& g, int64_t rows, int64_t cols, DType t) {
+  HostTensor m(t, {rows, cols});
+  const double sd = 1.0 / std::sqrt(double(cols));
+  auto* p = m.data<uint16_t>();
+  for (int64_t i = 0; i < rows * cols; ++i) p[i] = to_act(float(g() * sd), t);
+  return m;
+}
+
+HostTensor random_norm(Normal& g, int64_t n, DType t) {
+  HostTensor m(t, {n});
+  auto* p = m.data<uint16_t>();
+  for (int64_t i = 0; i < n; ++i) p[i] = to_act(float(1.0 + 0.1 * g()), t);
+  return m;
+}
+
+// Rows [r0, r0 + n) of a 2-D tensor.
+HostTensor slice_rows(const HostTensor& t, int64_t r0, int64_t n) {
+  HostTensor s(t.dtype(), {n, t.dim(1)});
+  const size_t row = size_t(t.dim(1)) * dtype_size(t.dtype());
+  std::memcpy(s.data<std::byte>(), t.data<std::byte>() + r0 * row, n * row);
+  return s;
+}
+
+// Columns [c0, c0 + n) of a 2-D tensor.
+HostTensor slice_cols(const HostTensor& t, int64_t c0, int64_t n) {
+  HostTensor s(t.dtype(), {t.dim(0), n});
+  const size_t e = dtype_size(t.dtype());
+  for (int64_t r = 0; r < t.dim(0); ++r)
+    std::memcpy(s.data<std::byte>() + r * n * e, t.data<std::byte>() + (r * t.dim(1) + c0) * e, n * e);
+  return s;
+}
+
+}  // namespace
+
+void MlaWeights::validate(const MlaConfig& c) const {
+  c.validate();
+  const DType dt = kv_b_proj.dtype();
+  KMLA_CHECK(dt == DType::bf16 || dt == DType::f16, "weights must be bf16 or f16, kv_b_proj is ",
+             dtype_name(dt));
+  for (const Expect& e : expectations(*this, c)) {
+    if (!e.needed) {
+      KMLA_CHECK(e.t->empty(), "weight ", e.name, " is present but config '", c.name, "' does not use it");
+      continue;
+    }
+    KMLA_CHECK(!e.t->empty(), "weight ", e.name, " is missing (config '", c.name, "')");
+    KMLA_CHECK(e.t->dtype() == dt, "weight ", e.name, " has dtype ", dtype_name(e.t->dtype()),
+               ", the other weights are ", dtype_name(dt));
+    if (e.cols == 0)
+      check_tensor(e.t->view(), e.name, dt, {e.rows});
+    else
+      check_tensor(e.t->view(), e.name, dt, {e.rows, e.cols});
+  }
+  KMLA_CHECK(std::isfinite(k_scale) && k_scale > 0, "k_scale must be finite and positive, got ", k_scale);
+  KMLA_CHECK(std::isfinite(q_scale) && q_scale > 0, "q_scale must be finite and positive, got ", q_scale);
+}
+
+MlaWeights MlaWeights::random(const MlaConfig& c, uint64_t seed, DType dt) {
+  c.validate();
+  KMLA_CHECK(dt == DType::bf16 || dt == DType::f16, "random weights must be bf16 or f16, got ",
+             dtype_name(dt));
+  Normal g{seed * 0x2545f4914f6cdd1dull + 1};
+  const int64_t H = c.local_heads();
+  MlaWeights w;
+  if (c.q_lora_rank) {
+    w.q_a_proj = random_matrix(g, *c.q_lora_rank, c.hidden_size, dt);
+    w.q_a_layernorm = random_norm(g, *c.q_lora_rank, dt);
+    w.q_b_proj = random_matrix(g, H * kQkHeadDim, *c.q_lora_rank, dt);
+  } else {
+    w.q_proj = random_matrix(g, H * kQkHeadDim, c.hidden_size, dt);
+  }
+  w.kv_a_proj_with_mqa = random_matrix(g, kLatentDim, c.hidden_size, dt);
+  w.kv_a_layernorm = random_norm(g, kKvLoraRank, dt);
+  w.kv_b_proj = random_matrix(g, H * kKvBOut, kKvLoraRank, dt);
+  if (c.use_output_gate) w.g_proj = random_matrix(g, H * kVDim, c.hidden_size, dt);
+  w.o_proj = random_matrix(g, c.hidden_size, H * kVDim, dt);
+  return w;
+}
+
+MlaWeights MlaWeights::tp_slice(const MlaConfig& full, int rank, int world) const {
+  KMLA_CHECK(full.tp_size == 1, "tp_slice needs the unsliced config");
+  const MlaConfig local = full.tp_slice(rank, world);
+  validate(full);
+  const int64_t h0 = local.first_local_head(), H = local.local_heads();
+  MlaWeights w = *this;  // replicated tensors are shared (copy-on-nothing: read only)
+  if (full.q_lora_rank)
+    w.q_b_proj = slice_rows(q_b_proj, h0 * kQkHeadDim, H * kQkHeadDim);
+  else
+    w.q_proj = slice_rows(q_proj, h0 * kQkHeadDim, H * kQkHeadDim);
+  w.kv_b_proj = slice_rows(kv_b_proj, h0 * kKvBOut, H * kKvBOut);
+  if (full.use_output_gate) w.g_proj = slice_rows(g_proj, h0 * kVDim, H * kVDim);
+  w.o_proj = slice_cols(o_proj, h0 * kVDim, H * kVDim);
+  return w;
+}
+
+AbsorbedWeights absorb_kv_b(const HostTensor& kv_b, int heads) {
+  check_tensor(kv_b.view(), "kv_b_proj", kv_b.dtype(), {int64_t(heads) * kKvBOut, kKvLoraRank});
+  KMLA_CHECK(dtype_size(kv_b.dtype()) == 2, "kv_b_proj must be a 16-bit type, got ", dtype_name(kv_b.dtype()));
+  AbsorbedWeights a{HostTensor(kv_b.dtype(), {heads, kNopeDim, kKvLoraRank}),
+                    HostTensor(kv_b.dtype(), {heads, kKvLoraRank, kVDim})};
+  const auto* src = kv_b.data<uint16_t>();
+  auto* uk = a.w_uk_t.data<uint16_t>();
+  auto* uv = a.w_uv.data<uint16_t>();
+  for (int h = 0; h < heads; ++h) {
+    const uint16_t* blk = src + int64_t(h) * kKvBOut * kKvLoraRank;  // [256, 512]
+    // W_UK_T[h][p][l] = kv_b[h*256 + p][l]: already [128, 512].
+    std::memcpy(uk + int64_t(h) * kNopeDim * kKvLoraRank, blk, size_t(kNopeDim) * kKvLoraRank * 2);
+    // W_UV[h][l][v] = kv_b[h*256 + 128 + v][l]: a transpose.
+    for (int v = 0; v < kVDim; ++v)
+      for (int l = 0; l < kKvLoraRank; ++l)
+        uv[(int64_t(h) * kKvLoraRank + l) * kVDim + v] = blk[int64_t(kNopeDim + v) * kKvLoraRank + l];
+  }
+  return a;
+}
+
+}  // namespace kmla
