@@ -38,6 +38,11 @@ torch.set_num_threads(1)  # keeps float64 reductions in a fixed order
 # are exactly representable in the format they stand for.
 # --------------------------------------------------------------------------
 
+def pow2(e):
+    """2**e as float64 for integer tensor e (built from the exponent bits, exact)."""
+    return ((e.long() + 1023) << 52).view(torch.float64)
+
+
 def rbf(x):
     """Round to the nearest bf16 value (ties to even), returned as float32.
 
@@ -45,7 +50,7 @@ def rbf(x):
     (a float64 -> float32 -> bf16 chain could round twice)."""
     m, e = torch.frexp(x.double())  # |m| in [0.5, 1)
     r = torch.round(m * 256.0) / 256.0  # 8 significant bits; torch.round is half-to-even
-    return torch.ldexp(r, e).float()
+    return (r * pow2(e)).float()
 
 
 def _e4m3_table():
@@ -95,7 +100,7 @@ def fp8_saturate(x32):
 def pow2_ceil(v):
     """Smallest power of two >= v (v > 0), exactly."""
     m, e = torch.frexp(v.double())
-    p = torch.where(m == 0.5, v.double(), torch.ldexp(torch.ones_like(m), e))
+    p = torch.where(m == 0.5, v.double(), pow2(e))
     return p.float()
 
 
@@ -726,7 +731,7 @@ def run_case(cfg, out_dir):
         "ds_mla_scale_rule", "block_size", "k_scale", "q_scale", "decode_threshold",
         "query_lens", "context_lens", "position_offsets", "seed")}
     meta_cfg.update(
-        num_heads_total=cfg["num_heads"], softmax_scale=softmax_scale(cfg),
+        softmax_scale=softmax_scale(cfg),
         num_blocks=batch["num_blocks"], entry_bytes=ENTRY_BYTES[cfg["cache_format"]],
         num_actual_tokens=T, num_rows=batch["rows"], request_kinds=batch["kinds"],
         rope_table_rows=rope_table_rows(cfg) if cfg["use_rope"] else 0,
