@@ -5,6 +5,7 @@
 
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
+#include "random.hpp"
 
 namespace kmla {
 
@@ -34,45 +35,20 @@ std::vector<Expect> expectations(const MlaWeights& w, const MlaConfig& c) {
   };
 }
 
-// Deterministic normal samples (splitmix64 + Box-Muller): the same on every platform.
-struct Normal {
-  uint64_t state;
-  bool has_spare = false;
-  double spare = 0;
-  uint64_t next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double(next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-  double operator()() {
-    if (has_spare) {
-      has_spare = false;
-      return spare;
-    }
-    const double u = uniform(), v = uniform();
-    const double r = std::sqrt(-2.0 * std::log(u));
-    spare = r * std::sin(2 * M_PI * v);
-    has_spare = true;
-    return r * std::cos(2 * M_PI * v);
-  }
-};
-
 uint16_t to_act(float x, DType t) { return t == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x); }
 
-HostTensor random_matrix(Normal& g, int64_t rows, int64_t cols, DType t) {
+HostTensor random_matrix(Random& g, int64_t rows, int64_t cols, DType t) {
   HostTensor m(t, {rows, cols});
   const double sd = 1.0 / std::sqrt(double(cols));
   auto* p = m.data<uint16_t>();
-  for (int64_t i = 0; i < rows * cols; ++i) p[i] = to_act(float(g() * sd), t);
+  for (int64_t i = 0; i < rows * cols; ++i) p[i] = to_act(float(g.normal() * sd), t);
   return m;
 }
 
-HostTensor random_norm(Normal& g, int64_t n, DType t) {
+HostTensor random_norm(Random& g, int64_t n, DType t) {
   HostTensor m(t, {n});
   auto* p = m.data<uint16_t>();
-  for (int64_t i = 0; i < n; ++i) p[i] = to_act(float(1.0 + 0.1 * g()), t);
+  for (int64_t i = 0; i < n; ++i) p[i] = to_act(float(1.0 + 0.1 * g.normal()), t);
   return m;
 }
 
@@ -121,7 +97,7 @@ MlaWeights MlaWeights::random(const MlaConfig& c, uint64_t seed, DType dt) {
   c.validate();
   KMLA_CHECK(dt == DType::bf16 || dt == DType::f16, "random weights must be bf16 or f16, got ",
              dtype_name(dt));
-  Normal g{seed * 0x2545f4914f6cdd1dull + 1};
+  Random g(seed);
   const int64_t H = c.local_heads();
   MlaWeights w;
   if (c.q_lora_rank) {

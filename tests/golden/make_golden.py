@@ -681,7 +681,17 @@ def check_rounding():
     assert torch.equal(rbf(x).view(torch.int32), x.to(torch.bfloat16).float().view(torch.int32)), \
         "rbf differs from torch bf16 rounding"
     msg = "bf16 rounding matches torch"
+    xb = x[:1000].to(torch.bfloat16)
+    assert torch.equal(bf16_to_bytes(xb.float().reshape(-1, 1)), xb.view(torch.uint8).reshape(-1, 2))
+    assert torch.equal(bytes_to_bf16(xb.view(torch.uint8).reshape(-1, 2)).reshape(-1), xb.float())
+    xf = x[:1000].contiguous()
+    assert torch.equal(f32_to_bytes(xf.reshape(-1, 1)), xf.view(torch.uint8).reshape(-1, 4))
+    assert torch.equal(bytes_to_f32(xf.view(torch.uint8).reshape(-1, 4)).reshape(-1), xf)
+    msg += "; byte packing matches torch's memory layout"
     if hasattr(torch, "float8_e4m3fn"):
+        table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        same = (table == E4M3) | (table.isnan() & E4M3.isnan())
+        assert same.all(), "e4m3 value table differs from torch"
         y = (torch.randn(200000, generator=g) * torch.exp2(torch.randint(-12, 9, (200000,), generator=g).float()))
         pos = E4M3_POS.float()
         mids = (pos[1:] + pos[:-1]) / 2  # exact in fp32
