@@ -1,1 +1,413 @@
-// placeholder
+// The fp64 oracle: the layer as docs/SEMANTICS.md defines it, in plain scalar fp64 loops.
+//
+// Choices made here (all of them well inside the tolerance the oracle itself defines):
+//  * Seed rounding converts the double to float, then rounds to the activation dtype. The
+//    seed rounds fp32 accumulators the same way; this differs from rounding the double
+//    directly only when the float lands exactly on a bf16/fp16 tie.
+//  * Every token attends in the un-absorbed MHA form: per key latent L and head h,
+//    k_nope = r(W_UK_h L[:512]) and v = r(W_UV_h L[:512]). That is what makes the oracle an
+//    independent check of the absorbed decode. The one exception is the decode query on a
+//    plain fp8 cache, which is the absorbed, fp8-quantized query the seed feeds its kernel
+//    (the quantization cannot be expressed in the MHA form); its values keep the MHA form, so
+//    the seed's rounding of the attended latent is not reproduced.
+//  * One softmax over all keys of a token: no context chunks and no LSE merge, so the
+//    production merge is checked rather than copied.
+//  * Prefill queries and new-token keys use the act-rounded rotated rope values on every
+//    cache format; only the cache row and the decode query of a plain fp8 cache take the
+//    unrounded rotation (they are quantized straight from it).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kmla/error.hpp"
+#include "kmla/numeric.hpp"
+#include "kmla/reference.hpp"
+
+namespace kmla::reference {
+
+namespace {
+
+// A row-major fp64 matrix.
+struct Mat {
+  int64_t rows = 0, cols = 0;
+  std::vector<double> v;
+
+  Mat() = default;
+  Mat(int64_t r, int64_t c) : rows(r), cols(c), v(size_t(r * c), 0.0) {}
+  double* row(int64_t i) { return v.data() + i * cols; }
+  const double* row(int64_t i) const { return v.data() + i * cols; }
+};
+
+double act_to_double(uint16_t x, DType t) {
+  return t == DType::bf16 ? bf16_to_float(x) : fp16_to_float(x);
+}
+
+// Rounds to the activation dtype through float (see the note at the top).
+double round_act(double x, DType t) {
+  const float f = float(x);
+  return t == DType::bf16 ? round_bf16(f) : round_fp16(f);
+}
+
+// The rounding hook r(x): identity in exact mode, the activation dtype in seed mode.
+struct Rounder {
+  DType act = DType::bf16;
+  bool seed = false;
+
+  double operator()(double x) const { return seed ? round_act(x, act) : x; }
+  void apply(double* x, int64_t n) const {
+    if (seed)
+      for (int64_t i = 0; i < n; ++i) x[i] = round_act(x[i], act);
+  }
+};
+
+// The fp8 prefill mode's unscaled cast to e4m3 and back.
+double e4m3_roundtrip(double x) { return e4m3_to_float(e4m3_scaled_clamped(float(x), 1.0f)); }
+
+// A 16-bit weight [rows, cols] as fp64; transposed gives [cols, rows].
+Mat load_matrix(const HostTensor& t, bool transpose) {
+  const int64_t rows = t.dim(0), cols = t.dim(1);
+  const auto* p = t.data<uint16_t>();
+  Mat m = transpose ? Mat(cols, rows) : Mat(rows, cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const double x = act_to_double(p[i * cols + j], t.dtype());
+      if (transpose)
+        m.row(j)[i] = x;
+      else
+        m.row(i)[j] = x;
+    }
+  return m;
+}
+
+std::vector<double> load_vector(const HostTensor& t) {
+  std::vector<double> v(size_t(t.numel()));
+  const auto* p = t.data<uint16_t>();
+  for (size_t i = 0; i < v.size(); ++i) v[i] = act_to_double(p[i], t.dtype());
+  return v;
+}
+
+// kv_b_proj rows [r0, r0 + n) transposed: [512, n].
+Mat kv_b_block_transposed(const Mat& kv_b, int64_t r0, int64_t n) {
+  Mat m(kv_b.cols, n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t l = 0; l < kv_b.cols; ++l) m.row(l)[i] = kv_b.row(r0 + i)[l];
+  return m;
+}
+
+// c[m, n] = a[m, k] · bt[k, n], where a has row stride lda and c is dense. Every element is
+// a plain sum over k in order; the loops are arranged only so the compiler can keep a few
+// rows of c in cache and vectorize across n.
+void matmul(const double* a, int64_t lda, int64_t m, const Mat& bt, double* c) {
+  const int64_t k = bt.rows, n = bt.cols;
+  std::fill(c, c + m * n, 0.0);
+  constexpr int64_t kRowTile = 8;
+  for (int64_t i0 = 0; i0 < m; i0 += kRowTile) {
+    const int64_t i1 = std::min(m, i0 + kRowTile);
+    for (int64_t p = 0; p < k; ++p) {
+      const double* __restrict b = bt.row(p);
+      for (int64_t i = i0; i < i1; ++i) {
+        const double s = a[i * lda + p];
+        double* __restrict ci = c + i * n;
+        for (int64_t j = 0; j < n; ++j) ci[j] += s * b[j];
+      }
+    }
+  }
+}
+
+double dot(const double* a, const double* b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x * rsqrt(mean(x^2) + eps) * w, then r.
+void rms_norm(double* x, int64_t n, const std::vector<double>& w, double eps, const Rounder& r) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const double inv = 1.0 / std::sqrt(ss / double(n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = r(x[i] * inv * w[i]);
+}
+
+// Interleaved-pair rotation of 64 values in fp64 with one fp32 table row.
+void rotate(double* x, const float* row) {
+  constexpr int kHalf = kRopeDim / 2;
+  for (int i = 0; i < kHalf; ++i) {
+    const double c = row[i], s = row[kHalf + i];
+    const double a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = a * c - b * s;
+    x[2 * i + 1] = a * s + b * c;
+  }
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+void validate_metadata(const BatchMetadata& md, const LatentCache& cache, int64_t rows) {
+  const int R = md.num_requests;
+  KMLA_CHECK(md.num_rows == rows, "metadata has ", md.num_rows, " rows, hidden has ", rows);
+  KMLA_CHECK(md.num_tokens >= 0 && md.num_tokens <= md.num_rows, "metadata has ", md.num_tokens,
+             " real tokens in ", md.num_rows, " rows");
+  KMLA_CHECK(md.block_size == cache.block_size(), "metadata was planned for block size ",
+             md.block_size, ", the cache has block size ", cache.block_size());
+  KMLA_CHECK(md.num_cache_blocks <= cache.num_blocks(), "metadata was planned for ",
+             md.num_cache_blocks, " cache blocks, the cache has ", cache.num_blocks());
+  KMLA_CHECK(R >= 0 && md.num_decodes >= 0 && md.num_context_prefills >= 0 &&
+                 md.num_fresh_prefills >= 0 &&
+                 md.num_decodes + md.num_context_prefills + md.num_fresh_prefills == R,
+             "metadata request counts do not add up to ", R, " requests");
+  KMLA_CHECK(md.query_lens.size() == size_t(R) && md.context_lens.size() == size_t(R) &&
+                 md.seq_lens.size() == size_t(R) && md.query_start.size() == size_t(R) + 1,
+             "metadata per-request arrays do not have ", R, " entries");
+  KMLA_CHECK(md.max_blocks_per_request >= 0 &&
+                 md.block_tables.size() == size_t(R) * size_t(md.max_blocks_per_request),
+             "metadata block tables have ", md.block_tables.size(), " entries, expected ", R,
+             " x ", md.max_blocks_per_request);
+  KMLA_CHECK(md.slot_mapping.size() == size_t(md.num_rows), "metadata slot mapping has ",
+             md.slot_mapping.size(), " entries for ", md.num_rows, " rows");
+  KMLA_CHECK(md.query_start[0] == 0 && md.query_start[R] == md.num_tokens,
+             "metadata query starts do not cover the ", md.num_tokens, " real tokens");
+  for (int r = 0; r < R; ++r) {
+    KMLA_CHECK(md.query_lens[r] >= 0 && md.context_lens[r] >= 0 &&
+                   md.seq_lens[r] == int64_t(md.context_lens[r]) + md.query_lens[r] &&
+                   md.query_start[r + 1] - md.query_start[r] == md.query_lens[r],
+               "metadata request ", r, " has inconsistent lengths");
+    const int64_t need = (md.seq_lens[r] + md.block_size - 1) / md.block_size;
+    KMLA_CHECK(need <= md.max_blocks_per_request, "metadata request ", r, " needs ", need,
+               " blocks, its table has ", md.max_blocks_per_request);
+    for (int64_t b = 0; b < need; ++b) {
+      const int32_t id = md.block_table(r)[b];
+      KMLA_CHECK(id >= 0 && id < cache.num_blocks(), "metadata request ", r, ": block ", b,
+                 " = ", id, " is outside the cache's blocks [0, ", cache.num_blocks(), ")");
+    }
+  }
+  for (int64_t t = 0; t < md.num_tokens; ++t) {
+    const int64_t slot = md.slot_mapping[t];
+    KMLA_CHECK(slot == -1 || (slot >= 0 && slot < cache.geometry().num_slots()),
+               "metadata slot ", slot, " of row ", t, " is outside the cache's slots");
+  }
+}
+
+// The keys one request's tokens attend over, projected per head.
+struct Keys {
+  int64_t count = 0;
+  Mat latent;               // [count, 576]
+  std::vector<Mat> k_nope;  // per head [count, 128] (empty when not needed)
+  std::vector<Mat> v;       // per head [count, 128]
+};
+
+}  // namespace
+
+Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
+               const TensorView& positions, const TensorView& hidden, const BatchMetadata* md,
+               LatentCache& cache, const Options& options) {
+  // ---- validation: everything is checked before the cache is touched -------------------
+  const DType act = options.activation;
+  KMLA_CHECK(act == DType::bf16 || act == DType::f16,
+             "the activation dtype must be bf16 or f16, got ", dtype_name(act));
+  w.validate(cfg);
+  KMLA_CHECK(w.dtype() == act, "weights are ", dtype_name(w.dtype()), ", the activation dtype is ",
+             dtype_name(act));
+  check_tensor(hidden, "hidden", act, {-1, cfg.hidden_size});
+  const int64_t rows = hidden.dim(0);
+  check_tensor(positions, "positions", DType::i64, {rows});
+
+  const int H = cfg.local_heads();
+  const int64_t hs = cfg.hidden_size;
+  const int64_t attn_width = int64_t(H) * kVDim;
+  Result res;
+  res.out.assign(size_t(rows * hs), 0.0);
+  res.attn_out.assign(size_t(rows * attn_width), 0.0);
+  if (md == nullptr) return res;
+
+  KMLA_CHECK(cache.device() == Device::cpu && cache.base() != nullptr,
+             "the oracle needs an allocated host cache");
+  validate_metadata(*md, cache, rows);
+  const int64_t T = md->num_tokens;
+  const auto* pos = positions.as<const int64_t>();
+  if (cfg.use_rope) {
+    KMLA_CHECK(rope != nullptr, "config '", cfg.name, "' uses RoPE but no table was given");
+    for (int64_t t = 0; t < T; ++t)
+      KMLA_CHECK(pos[t] >= 0 && pos[t] < rope->rows(), "position ", pos[t], " of row ", t,
+                 " is outside the RoPE table's ", rope->rows(), " rows");
+  }
+
+  const Rounder r{act, options.rounding == Rounding::seed};
+  const bool fp8_cache = cache.format() == CacheFormat::fp8;
+  const int64_t q_width = int64_t(H) * kQkHeadDim;
+
+  // ---- step 1: front end, per real token ------------------------------------------------
+  Mat h(T, hs);
+  {
+    const auto* src = hidden.as<const uint16_t>();
+    for (int64_t i = 0; i < T * hs; ++i) h.v[size_t(i)] = act_to_double(src[i], act);
+  }
+  Mat q(T, q_width);    // per head [q_nope 128 | q_pe 64]; q_pe rotated, unrounded
+  Mat kv(T, kLatentDim);  // [kv_c_normed 512 | k_pe 64]; k_pe rotated, unrounded
+  matmul(h.v.data(), hs, T, load_matrix(w.kv_a_proj_with_mqa, true), kv.v.data());
+  r.apply(kv.v.data(), T * kLatentDim);
+  const std::vector<double> kv_norm = load_vector(w.kv_a_layernorm);
+  for (int64_t t = 0; t < T; ++t) rms_norm(kv.row(t), kKvLoraRank, kv_norm, cfg.rms_norm_eps, r);
+  if (cfg.q_lora_rank) {
+    const int64_t ql = *cfg.q_lora_rank;
+    Mat q_c(T, ql);
+    matmul(h.v.data(), hs, T, load_matrix(w.q_a_proj, true), q_c.v.data());
+    r.apply(q_c.v.data(), T * ql);
+    const std::vector<double> q_norm = load_vector(w.q_a_layernorm);
+    for (int64_t t = 0; t < T; ++t) rms_norm(q_c.row(t), ql, q_norm, cfg.rms_norm_eps, r);
+    matmul(q_c.v.data(), ql, T, load_matrix(w.q_b_proj, true), q.v.data());
+  } else {
+    matmul(h.v.data(), hs, T, load_matrix(w.q_proj, true), q.v.data());
+  }
+  r.apply(q.v.data(), T * q_width);
+
+  // ---- step 2: RoPE (unrounded here; each use rounds as its path does) -------------------
+  if (cfg.use_rope) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = rope->row(pos[t]);
+      for (int hd = 0; hd < H; ++hd) rotate(q.row(t) + hd * kQkHeadDim + kNopeDim, row);
+      rotate(kv.row(t) + kKvLoraRank, row);
+    }
+  }
+
+  // ---- step 3: cache write --------------------------------------------------------------
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = md->slot_mapping[t];
+    if (slot < 0) continue;
+    float row[kLatentDim];
+    for (int i = 0; i < kLatentDim; ++i) {
+      const double x = kv.row(t)[i];
+      row[i] = float(i >= kKvLoraRank && !fp8_cache ? r(x) : x);
+    }
+    cache.write_row(slot, row);
+  }
+
+  // ---- step 4: attention, request by request ---------------------------------------------
+  const Mat kv_b = load_matrix(w.kv_b_proj, false);  // [H*256, 512]
+  std::vector<Mat> w_uk_t(H), w_uv_t(H);             // per head [512, 128]
+  std::vector<Mat> w_uk(H);                          // per head [128, 512] (absorbed query)
+  for (int hd = 0; hd < H; ++hd) {
+    if (fp8_cache) {
+      w_uk[hd] = Mat(kNopeDim, kKvLoraRank);
+      for (int p = 0; p < kNopeDim; ++p)
+        std::copy_n(kv_b.row(int64_t(hd) * kKvBOut + p), kKvLoraRank, w_uk[hd].row(p));
+    }
+    w_uk_t[hd] = kv_b_block_transposed(kv_b, int64_t(hd) * kKvBOut, kNopeDim);
+    w_uv_t[hd] = kv_b_block_transposed(kv_b, int64_t(hd) * kKvBOut + kNopeDim, kVDim);
+  }
+  const double scale = cfg.softmax_scale();
+  const double q_scale = w.q_scale;
+  const float q_scale_inv = 1.0f / w.q_scale;  // fp32 reciprocal, as the seed's writer
+  Mat attn(T, attn_width);
+
+  for (int req = 0; req < md->num_requests; ++req) {
+    const int64_t q0 = md->query_start[req];
+    const int32_t qlen = md->query_lens[req];
+    if (qlen == 0) continue;
+    const bool decode = md->kind(req) == RequestKind::decode;
+    const bool absorbed_fp8 = decode && fp8_cache;
+    const bool fp8_qkv = !decode && options.fp8_prefill;
+
+    // Keys: decodes read [0, seq_len) back from the cache; prefills read their context from
+    // the cache (rounded to act: the gather writes an act workspace) and append their own new
+    // tokens' unquantized latents.
+    Keys keys;
+    const int64_t ctx = md->context_lens[req];
+    keys.count = decode ? md->seq_lens[req] : ctx + qlen;
+    keys.latent = Mat(keys.count, kLatentDim);
+    const int64_t cached = decode ? keys.count : ctx;
+    for (int64_t j = 0; j < cached; ++j) {
+      float row[kLatentDim];
+      cache.read_row(md->slot_of(req, j), row);
+      for (int i = 0; i < kLatentDim; ++i)
+        keys.latent.row(j)[i] = decode ? double(row[i]) : round_act(row[i], act);
+    }
+    for (int64_t j = cached; j < keys.count; ++j) {
+      const double* src = kv.row(q0 + (j - ctx));
+      double* dst = keys.latent.row(j);
+      for (int i = 0; i < kLatentDim; ++i) dst[i] = i < kKvLoraRank ? src[i] : r(src[i]);
+    }
+    keys.v.resize(H);
+    if (!absorbed_fp8) keys.k_nope.resize(H);
+    for (int hd = 0; hd < H; ++hd) {
+      keys.v[hd] = Mat(keys.count, kVDim);
+      matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uv_t[hd], keys.v[hd].v.data());
+      r.apply(keys.v[hd].v.data(), keys.count * kVDim);
+      if (!absorbed_fp8) {
+        keys.k_nope[hd] = Mat(keys.count, kNopeDim);
+        matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uk_t[hd],
+               keys.k_nope[hd].v.data());
+        r.apply(keys.k_nope[hd].v.data(), keys.count * kNopeDim);
+      }
+      if (fp8_qkv) {
+        for (double& x : keys.v[hd].v) x = e4m3_roundtrip(x);
+        for (double& x : keys.k_nope[hd].v) x = e4m3_roundtrip(x);
+      }
+    }
+    // The rope part of the keys, as the score uses it (shared by all heads).
+    Mat k_pe(keys.count, kRopeDim);
+    for (int64_t j = 0; j < keys.count; ++j)
+      for (int i = 0; i < kRopeDim; ++i) {
+        const double x = keys.latent.row(j)[kKvLoraRank + i];
+        k_pe.row(j)[i] = fp8_qkv ? e4m3_roundtrip(x) : x;
+      }
+
+    std::vector<double> score(size_t(keys.count));
+    for (int32_t i = 0; i < qlen; ++i) {
+      const int64_t t = q0 + i;
+      const int64_t visible = decode ? md->decode_key_count(req, i) : ctx + i + 1;
+      for (int hd = 0; hd < H; ++hd) {
+        const double* qh = q.row(t) + hd * kQkHeadDim;
+        double* o = attn.row(t) + hd * kVDim;
+        if (visible <= 0) continue;  // no keys: zeros
+        if (absorbed_fp8) {
+          // [ql_nope | rope(q_pe)], quantized with q_scale, scored against the dequantized rows.
+          double query[kLatentDim];
+          matmul(qh, kNopeDim, 1, w_uk[hd], query);
+          r.apply(query, kKvLoraRank);
+          for (int d = 0; d < kRopeDim; ++d) query[kKvLoraRank + d] = qh[kNopeDim + d];
+          for (double& x : query)
+            x = double(e4m3_to_float(e4m3_scaled_clamped(float(x), q_scale_inv))) * q_scale;
+          for (int64_t j = 0; j < visible; ++j)
+            score[j] = scale * dot(query, keys.latent.row(j), kLatentDim);
+        } else {
+          double qn[kNopeDim], qp[kRopeDim];
+          for (int d = 0; d < kNopeDim; ++d) qn[d] = fp8_qkv ? e4m3_roundtrip(qh[d]) : qh[d];
+          for (int d = 0; d < kRopeDim; ++d) {
+            const double x = r(qh[kNopeDim + d]);
+            qp[d] = fp8_qkv ? e4m3_roundtrip(x) : x;
+          }
+          for (int64_t j = 0; j < visible; ++j)
+            score[j] = scale * (dot(qn, keys.k_nope[hd].row(j), kNopeDim) +
+                                dot(qp, k_pe.row(j), kRopeDim));
+        }
+        // Softmax in fp64, then the weighted sum of the values.
+        const double m = *std::max_element(score.begin(), score.begin() + visible);
+        double denom = 0;
+        for (int64_t j = 0; j < visible; ++j) {
+          score[j] = std::exp(score[j] - m);
+          denom += score[j];
+        }
+        for (int d = 0; d < kVDim; ++d) {
+          double acc = 0;
+          for (int64_t j = 0; j < visible; ++j) acc += score[j] * keys.v[hd].row(j)[d];
+          o[d] = r(acc / denom);
+        }
+      }
+    }
+  }
+
+  // ---- step 5: gate and o_proj ---------------------------------------------------------
+  for (int64_t t = 0; t < T; ++t)
+    std::copy(attn.row(t), attn.row(t) + attn_width, res.attn_out.begin() + t * attn_width);
+  if (cfg.use_output_gate) {
+    Mat g(T, attn_width);
+    matmul(h.v.data(), hs, T, load_matrix(w.g_proj, true), g.v.data());
+    for (int64_t i = 0; i < T * attn_width; ++i)
+      attn.v[size_t(i)] = r(attn.v[size_t(i)] * sigmoid(r(g.v[size_t(i)])));
+  }
+  matmul(attn.v.data(), attn_width, T, load_matrix(w.o_proj, true), res.out.data());
+  r.apply(res.out.data(), T * hs);
+  return res;
+}
+
+}  // namespace kmla::reference
