@@ -1,1 +1,2 @@
 #include <gtest/gtest.h>
+TEST(Oracle, Builds) {}

@@ -354,7 +354,8 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
     std::vector<double> score(size_t(keys.count));
     for (int32_t i = 0; i < qlen; ++i) {
       const int64_t t = q0 + i;
-      const int64_t visible = decode ? md->decode_key_count(req, i) : ctx + i + 1;
+      const int64_t visible =
+          std::min(keys.count, decode ? md->decode_key_count(req, i) : ctx + i + 1);
       for (int hd = 0; hd < H; ++hd) {
         const double* qh = q.row(t) + hd * kQkHeadDim;
         double* o = attn.row(t) + hd * kVDim;

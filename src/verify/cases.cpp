@@ -103,18 +103,12 @@ uint16_t to_act(double x, DType t) {
 }
 double from_act(uint16_t v, DType t) { return t == DType::bf16 ? bf16_to_float(v) : fp16_to_float(v); }
 
-struct Setup {
-  MlaWeights weights;
-  LatentCache cache;
-  BatchMetadata md;
-  HostTensor positions;  // i64 [rows], layout order
-  HostTensor hidden;     // act [rows, hidden], layout order
-};
+}  // namespace
 
-Setup build(const Case& c) {
+Inputs make_inputs(const Case& c) {
   const MlaConfig& cfg = c.config;
   Random rng(c.seed);
-  Setup s;
+  Inputs s;
   s.weights = MlaWeights::random(cfg, c.seed, c.activation);
   s.weights.k_scale = c.k_scale;
   s.weights.q_scale = c.q_scale;
@@ -168,6 +162,8 @@ Setup build(const Case& c) {
   return s;
 }
 
+namespace {
+
 // Worst relative difference between the decoded rows of two caches at `slots`.
 double cache_row_error(const LatentCache& a, const LatentCache& b, const std::vector<int64_t>& slots) {
   double worst = 0;
@@ -189,7 +185,7 @@ double cache_row_error(const LatentCache& a, const LatentCache& b, const std::ve
 }  // namespace
 
 Report run_case(const Case& c) {
-  Setup s = build(c);
+  Inputs s = make_inputs(c);
   const MlaConfig& cfg = c.config;
   std::shared_ptr<const RopeTable> rope;
   if (cfg.use_rope) rope = RopeTable::build(cfg, c.rope_rows);

@@ -11,6 +11,7 @@
 #include "kmla/batch.hpp"
 #include "kmla/cache.hpp"
 #include "kmla/config.hpp"
+#include "kmla/weights.hpp"
 
 namespace kmla::verify {
 
@@ -67,6 +68,18 @@ Case mixed_case(const std::string& preset, CacheFormat format, int block_size, u
 
 // The grid the test suite and `kmla verify --all` run.
 std::vector<Case> standard_cases();
+
+// Everything one forward call of a case needs: random weights, a cache poisoned with NaN
+// and holding the requests' context rows at permuted blocks, the planned batch (requests
+// in shuffled caller order), and hidden states and positions in the batch's layout.
+struct Inputs {
+  MlaWeights weights;
+  LatentCache cache;
+  BatchMetadata md;
+  HostTensor positions;  // i64 [rows]
+  HostTensor hidden;     // activation [rows, hidden]
+};
+Inputs make_inputs(const Case& c);
 
 // Runs the CPU backend and the oracle (exact and seed rounding) on the case and applies the
 // tolerance rule: the backend may err at most twice the seed-rounding oracle (a plain
