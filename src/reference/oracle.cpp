@@ -64,12 +64,13 @@ struct Rounder {
 // The fp8 prefill mode's unscaled cast to e4m3 and back.
 double e4m3_roundtrip(double x) { return e4m3_to_float(e4m3_scaled_clamped(float(x), 1.0f)); }
 
-// A 16-bit weight [rows, cols] as fp64; transposed gives [cols, rows].
-Mat load_matrix(const HostTensor& t, bool transpose) {
-  const int64_t rows = t.dim(0), cols = t.dim(1);
-  const auto* p = t.data<uint16_t>();
-  Mat m = transpose ? Mat(cols, rows) : Mat(rows, cols);
-  for (int64_t i = 0; i < rows; ++i)
+// Rows [r0, r0 + n) of a 16-bit weight [rows, cols] as fp64: [n, cols], or [cols, n]
+// transposed.
+Mat load_rows(const HostTensor& t, int64_t r0, int64_t n, bool transpose) {
+  const int64_t cols = t.dim(1);
+  const auto* p = t.data<uint16_t>() + r0 * cols;
+  Mat m = transpose ? Mat(cols, n) : Mat(n, cols);
+  for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       const double x = act_to_double(p[i * cols + j], t.dtype());
       if (transpose)
@@ -80,6 +81,10 @@ Mat load_matrix(const HostTensor& t, bool transpose) {
   return m;
 }
 
+Mat load_matrix(const HostTensor& t, bool transpose) {
+  return load_rows(t, 0, t.dim(0), transpose);
+}
+
 std::vector<double> load_vector(const HostTensor& t) {
   std::vector<double> v(size_t(t.numel()));
   const auto* p = t.data<uint16_t>();
@@ -87,30 +92,42 @@ std::vector<double> load_vector(const HostTensor& t) {
   return v;
 }
 
-// kv_b_proj rows [r0, r0 + n) transposed: [512, n].
-Mat kv_b_block_transposed(const Mat& kv_b, int64_t r0, int64_t n) {
-  Mat m(kv_b.cols, n);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t l = 0; l < kv_b.cols; ++l) m.row(l)[i] = kv_b.row(r0 + i)[l];
-  return m;
+// An R x C block of c = a · bt, accumulated in locals (registers) over all of k.
+template <int R, int C>
+void matmul_block(const double* a, int64_t lda, const Mat& bt, int64_t j0, double* c, int64_t ldc) {
+  double acc[R][C] = {};
+  for (int64_t p = 0; p < bt.rows; ++p) {
+    const double* b = bt.row(p) + j0;
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const double s = a[i * lda + p];
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) acc[i][j] += s * b[j];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) c[i * ldc + j0 + j] = acc[i][j];
 }
 
 // c[m, n] = a[m, k] · bt[k, n], where a has row stride lda and c is dense. Every element is
-// a plain sum over k in order; the loops are arranged only so the compiler can keep a few
-// rows of c in cache and vectorize across n.
+// a plain sum over k in order; the blocking only keeps partial sums in registers.
 void matmul(const double* a, int64_t lda, int64_t m, const Mat& bt, double* c) {
-  const int64_t k = bt.rows, n = bt.cols;
-  std::fill(c, c + m * n, 0.0);
-  constexpr int64_t kRowTile = 8;
-  for (int64_t i0 = 0; i0 < m; i0 += kRowTile) {
-    const int64_t i1 = std::min(m, i0 + kRowTile);
-    for (int64_t p = 0; p < k; ++p) {
-      const double* __restrict b = bt.row(p);
-      for (int64_t i = i0; i < i1; ++i) {
-        const double s = a[i * lda + p];
-        double* __restrict ci = c + i * n;
-        for (int64_t j = 0; j < n; ++j) ci[j] += s * b[j];
+  constexpr int kR = 4, kC = 8;
+  const int64_t n = bt.cols;
+  for (int64_t i0 = 0; i0 < m; i0 += kR) {
+    const double* ai = a + i0 * lda;
+    double* ci = c + i0 * n;
+    for (int64_t j0 = 0; j0 < n; j0 += kC) {
+      if (i0 + kR <= m && j0 + kC <= n) {
+        matmul_block<kR, kC>(ai, lda, bt, j0, ci, n);
+        continue;
       }
+      for (int64_t i = i0; i < std::min(m, i0 + kR); ++i)
+        for (int64_t j = j0; j < std::min(n, j0 + kC); ++j) {
+          double s = 0;
+          for (int64_t p = 0; p < bt.rows; ++p) s += a[i * lda + p] * bt.row(p)[j];
+          c[i * n + j] = s;
+        }
     }
   }
 }
@@ -160,8 +177,8 @@ void validate_metadata(const BatchMetadata& md, const LatentCache& cache, int64_
              "metadata per-request arrays do not have ", R, " entries");
   KMLA_CHECK(md.max_blocks_per_request >= 0 &&
                  md.block_tables.size() == size_t(R) * size_t(md.max_blocks_per_request),
-             "metadata block tables have ", md.block_tables.size(), " entries, expected ", R,
-             " x ", md.max_blocks_per_request);
+             "metadata block tables have ", md.block_tables.size(), " entries, expected ", R, " x ",
+             md.max_blocks_per_request);
   KMLA_CHECK(md.slot_mapping.size() == size_t(md.num_rows), "metadata slot mapping has ",
              md.slot_mapping.size(), " entries for ", md.num_rows, " rows");
   KMLA_CHECK(md.query_start[0] == 0 && md.query_start[R] == md.num_tokens,
@@ -176,14 +193,14 @@ void validate_metadata(const BatchMetadata& md, const LatentCache& cache, int64_
                " blocks, its table has ", md.max_blocks_per_request);
     for (int64_t b = 0; b < need; ++b) {
       const int32_t id = md.block_table(r)[b];
-      KMLA_CHECK(id >= 0 && id < cache.num_blocks(), "metadata request ", r, ": block ", b,
-                 " = ", id, " is outside the cache's blocks [0, ", cache.num_blocks(), ")");
+      KMLA_CHECK(id >= 0 && id < cache.num_blocks(), "metadata request ", r, ": block ", b, " = ",
+                 id, " is outside the cache's blocks [0, ", cache.num_blocks(), ")");
     }
   }
   for (int64_t t = 0; t < md.num_tokens; ++t) {
     const int64_t slot = md.slot_mapping[t];
-    KMLA_CHECK(slot == -1 || (slot >= 0 && slot < cache.geometry().num_slots()),
-               "metadata slot ", slot, " of row ", t, " is outside the cache's slots");
+    KMLA_CHECK(slot == -1 || (slot >= 0 && slot < cache.geometry().num_slots()), "metadata slot ",
+               slot, " of row ", t, " is outside the cache's slots");
   }
 }
 
@@ -224,7 +241,7 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
   validate_metadata(*md, cache, rows);
   const int64_t T = md->num_tokens;
   const auto* pos = positions.as<const int64_t>();
-  if (cfg.use_rope) {
+  if (cfg.use_rope) {  // padding rows' positions are never used, so not checked
     KMLA_CHECK(rope != nullptr, "config '", cfg.name, "' uses RoPE but no table was given");
     for (int64_t t = 0; t < T; ++t)
       KMLA_CHECK(pos[t] >= 0 && pos[t] < rope->rows(), "position ", pos[t], " of row ", t,
@@ -241,7 +258,7 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
     const auto* src = hidden.as<const uint16_t>();
     for (int64_t i = 0; i < T * hs; ++i) h.v[size_t(i)] = act_to_double(src[i], act);
   }
-  Mat q(T, q_width);    // per head [q_nope 128 | q_pe 64]; q_pe rotated, unrounded
+  Mat q(T, q_width);      // per head [q_nope 128 | q_pe 64]; q_pe rotated, unrounded
   Mat kv(T, kLatentDim);  // [kv_c_normed 512 | k_pe 64]; k_pe rotated, unrounded
   matmul(h.v.data(), hs, T, load_matrix(w.kv_a_proj_with_mqa, true), kv.v.data());
   r.apply(kv.v.data(), T * kLatentDim);
@@ -282,17 +299,14 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
   }
 
   // ---- step 4: attention, request by request ---------------------------------------------
-  const Mat kv_b = load_matrix(w.kv_b_proj, false);  // [H*256, 512]
-  std::vector<Mat> w_uk_t(H), w_uv_t(H);             // per head [512, 128]
-  std::vector<Mat> w_uk(H);                          // per head [128, 512] (absorbed query)
+  // kv_b_proj per head: rows [h*256, h*256+128) are W_UK_h, the next 128 rows W_UV_h.
+  std::vector<Mat> w_uk_t(H), w_uv_t(H);  // [512, 128]: the key projections
+  std::vector<Mat> w_uk(H);               // [128, 512]: the absorbed query (plain fp8 only)
   for (int hd = 0; hd < H; ++hd) {
-    if (fp8_cache) {
-      w_uk[hd] = Mat(kNopeDim, kKvLoraRank);
-      for (int p = 0; p < kNopeDim; ++p)
-        std::copy_n(kv_b.row(int64_t(hd) * kKvBOut + p), kKvLoraRank, w_uk[hd].row(p));
-    }
-    w_uk_t[hd] = kv_b_block_transposed(kv_b, int64_t(hd) * kKvBOut, kNopeDim);
-    w_uv_t[hd] = kv_b_block_transposed(kv_b, int64_t(hd) * kKvBOut + kNopeDim, kVDim);
+    const int64_t r0 = int64_t(hd) * kKvBOut;
+    if (fp8_cache) w_uk[hd] = load_rows(w.kv_b_proj, r0, kNopeDim, false);
+    w_uk_t[hd] = load_rows(w.kv_b_proj, r0, kNopeDim, true);
+    w_uv_t[hd] = load_rows(w.kv_b_proj, r0 + kNopeDim, kVDim, true);
   }
   const double scale = cfg.softmax_scale();
   const double q_scale = w.q_scale;
@@ -334,8 +348,7 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
       r.apply(keys.v[hd].v.data(), keys.count * kVDim);
       if (!absorbed_fp8) {
         keys.k_nope[hd] = Mat(keys.count, kNopeDim);
-        matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uk_t[hd],
-               keys.k_nope[hd].v.data());
+        matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uk_t[hd], keys.k_nope[hd].v.data());
         r.apply(keys.k_nope[hd].v.data(), keys.count * kNopeDim);
       }
       if (fp8_qkv) {
@@ -378,8 +391,8 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
             qp[d] = fp8_qkv ? e4m3_roundtrip(x) : x;
           }
           for (int64_t j = 0; j < visible; ++j)
-            score[j] = scale * (dot(qn, keys.k_nope[hd].row(j), kNopeDim) +
-                                dot(qp, k_pe.row(j), kRopeDim));
+            score[j] = scale *
+                       (dot(qn, keys.k_nope[hd].row(j), kNopeDim) + dot(qp, k_pe.row(j), kRopeDim));
         }
         // Softmax in fp64, then the weighted sum of the values.
         const double m = *std::max_element(score.begin(), score.begin() + visible);
