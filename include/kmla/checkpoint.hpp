@@ -1,0 +1,51 @@
+// Hugging Face model directories: config.json plus one safetensors file or a sharded set
+// (model.safetensors.index.json), and a safetensors writer so tests and users can make them.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kmla/hf_config.hpp"
+#include "kmla/safetensors.hpp"
+
+namespace kmla {
+
+struct StWriteTensor {
+  std::string name;
+  StDType dtype = StDType::F32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  // numel * dtype size bytes
+};
+
+// Writes a safetensors file (header padded to 8 bytes, payload in the given order).
+void write_safetensors(const std::string& path, const std::vector<StWriteTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+class Checkpoint {
+ public:
+  // Opens a model directory: config.json, then model.safetensors.index.json (sharded) or
+  // every *.safetensors file in it. Every file's header is validated; a tensor named in two
+  // files, or an index entry whose file or tensor is missing, is an error.
+  static Checkpoint open(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  const HfModelConfig& config() const { return config_; }
+  bool has(const std::string& name) const { return where_.count(name) != 0; }
+  // Throws kmla::Error naming the directory and tensor when absent.
+  const StTensor& tensor(const std::string& name) const;
+  const std::string& file_of(const std::string& name) const;
+  std::vector<std::string> names() const;
+  // Tensors of one layer's attention block: "model.layers.{i}.self_attn." or the same under
+  // "language_model." (multimodal wrappers such as Kimi-K3). Throws if neither exists.
+  std::string attention_prefix(int layer) const;
+
+ private:
+  std::string dir_;
+  HfModelConfig config_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<size_t, std::string>> where_;  // name -> (file index, path)
+};
+
+}  // namespace kmla
