@@ -42,13 +42,14 @@ CacheFormat parse_cache_format(std::string_view s, DType activation = DType::bf1
 // values for a bf16 model), rope part as rotated (already bf16-rounded on the bf16 and
 // fp8_ds_mla paths, raw fp32 on the plain-fp8 path, as the seed's kernels do).
 //
-// NaN and infinity (documented in docs/ARCHITECTURE.md):
+// NaN and infinity:
 //  * bf16/fp16: NaN stays NaN; overflow becomes inf.
 //  * fp8: x * k_scale_inv is clamped with fmaxf/fminf first, so NaN -> -448 and
 //    +-inf -> +-448, exactly as the seed's fused writer does.
-//  * fp8_ds_mla: the tile amax ignores NaN (fmaxf); NaN elements encode as 0x7F (NaN),
-//    +-inf saturate to +-448 unless they make the amax infinite, in which case the whole
-//    tile's scale is inf and it decodes to NaN/0. Garbage in stays visibly garbage.
+//  * fp8_ds_mla: the tile amax ignores NaN (fmaxf); NaN elements encode as 0x7F (NaN).
+//    An infinite element makes the tile's amax and scale inf: finite elements encode as
+//    zero, the inf as NaN (inf/inf), and the whole tile decodes to NaN (code * inf).
+//    Other tiles and the rope part are unaffected. Garbage in stays visibly garbage.
 struct RowCodec {
   CacheFormat format = CacheFormat::bf16;
   float k_scale = 1.0f;  // plain fp8 only: stored value = x / k_scale
@@ -82,6 +83,8 @@ class LatentCache {
                               float k_scale = 1.0f,
                               TileScaleRule rule = TileScaleRule::power_of_two);
   // Caller-owned memory: `base` holds num_blocks blocks, block i at base + i*block_stride.
+  // (num_blocks - 1) * block_stride + block_size * entry bytes from base must be valid;
+  // kmla writes only the rows (clone() also copies the gaps between blocks).
   static LatentCache borrow(void* base, Device device, CacheFormat format, int block_size,
                             int64_t num_blocks, int64_t block_stride, float k_scale = 1.0f,
                             TileScaleRule rule = TileScaleRule::power_of_two);

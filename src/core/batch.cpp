@@ -73,6 +73,7 @@ BatchMetadata plan_batch(const std::vector<RequestSpec>& reqs, const CacheGeomet
     md.max_blocks_per_request = std::max<int>(md.max_blocks_per_request, int(need));
   }
   md.num_tokens = caller_start[R];
+  KMLA_CHECK(opt.num_rows >= 0, "batch rows must be >= 0 (0 = the real tokens), got ", opt.num_rows);
   md.num_rows = opt.num_rows == 0 ? md.num_tokens : opt.num_rows;
   KMLA_CHECK(md.num_rows >= md.num_tokens, "batch rows ", md.num_rows, " are fewer than its ",
              md.num_tokens, " real tokens");
@@ -83,10 +84,16 @@ BatchMetadata plan_batch(const std::vector<RequestSpec>& reqs, const CacheGeomet
   std::vector<RequestKind> kinds(R);
   for (int i = 0; i < R; ++i) kinds[i] = classify(reqs[i], opt.decode_threshold);
   if (opt.keep_order) {
-    for (int i = 1; i < R; ++i)
-      KMLA_CHECK(kinds[i] >= kinds[i - 1], "request order: request ", i, " (", kind_name(kinds[i]),
-                 ") follows a ", kind_name(kinds[i - 1]),
+    // Requests without tokens (engines pad batches with them) own no rows, so they may
+    // stand anywhere; every other request must not come after a later kind.
+    int last = -1;
+    for (int i = 0; i < R; ++i) {
+      if (reqs[i].query_len == 0) continue;
+      KMLA_CHECK(last < 0 || kinds[i] >= kinds[last], "request order: request ", i, " (",
+                 kind_name(kinds[i]), ") follows a ", kind_name(kinds[last]),
                  "; the layout must be decodes, then prefills with context, then fresh prefills");
+      last = i;
+    }
   }
   for (int k = 0; k < 3; ++k)
     for (int i = 0; i < R; ++i)
@@ -154,7 +161,12 @@ BatchMetadata plan_batch(const std::vector<RequestSpec>& reqs, const CacheGeomet
   // Chunked context: each chunk gathers up to `chunk` rows per request with context so
   // that the whole chunk fits the workspace. Rounded down to whole blocks when possible.
   if (md.num_context_prefills > 0) {
-    int64_t chunk = std::max<int64_t>(1, opt.workspace_tokens / md.num_context_prefills);
+    // Every chunk gathers rows of all these requests at once, so each needs at least one
+    // workspace row; a smaller workspace could only be honoured by overflowing it.
+    KMLA_CHECK(opt.workspace_tokens >= md.num_context_prefills, "context workspace of ",
+               opt.workspace_tokens, " tokens cannot hold one row for each of the ",
+               md.num_context_prefills, " prefills with context");
+    int64_t chunk = opt.workspace_tokens / md.num_context_prefills;
     if (chunk >= bs) chunk = chunk / bs * bs;
     md.context_chunk_tokens = chunk;
     int64_t max_ctx = 0;

@@ -174,7 +174,11 @@ std::byte* LatentCache::slot_ptr(int64_t slot) const {
 LatentCache LatentCache::clone() const {
   KMLA_CHECK(device_ == Device::cpu, "only host caches can be cloned");
   LatentCache c = *this;
-  const size_t bytes = size_t(geo_.block_stride) * size_t(geo_.num_blocks);
+  // Only the span the rows occupy: a borrowed cache need not own the gap after its last
+  // block (the stride may interleave other layers' blocks), so stride * num_blocks could
+  // read past the caller's memory.
+  const size_t bytes = size_t(geo_.block_stride) * size_t(geo_.num_blocks - 1) +
+                       size_t(geo_.block_size) * geo_.entry_bytes();
   c.owned_ = std::shared_ptr<std::byte[]>(new std::byte[bytes]);
   std::memcpy(c.owned_.get(), base_, bytes);
   c.base_ = c.owned_.get();

@@ -68,7 +68,8 @@ double MlaConfig::softmax_scale() const {
 int64_t MlaConfig::rope_table_rows() const {
   if (!use_rope) return 0;
   if (rope.type == RopeType::default_) return max_position_embeddings;
-  return int64_t(double(rope.original_max_position_embeddings) * rope.factor);
+  // vLLM builds positions with torch.arange(orig * factor): ceil of a fractional product.
+  return int64_t(std::ceil(double(rope.original_max_position_embeddings) * rope.factor));
 }
 
 MlaConfig MlaConfig::tp_slice(int rank, int world_size) const {

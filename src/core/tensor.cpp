@@ -1,5 +1,6 @@
 #include "kmla/tensor.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <sstream>
