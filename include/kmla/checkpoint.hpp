@@ -49,3 +49,22 @@ class Checkpoint {
 };
 
 }  // namespace kmla
+
+namespace kmla {
+
+struct MlaWeights;
+struct MlaConfig;
+enum class DType : uint8_t;
+
+// The tensor names of one attention layer, as Hugging Face checkpoints spell them
+// (without the "model.layers.{i}.self_attn." prefix and the ".weight" suffix).
+const std::vector<std::string>& mla_projection_names();
+
+// Loads layer `layer`'s attention weights for `cfg` (which may be a tensor-parallel slice:
+// the full tensors are read, checked against the unsliced shapes, then sliced). 16-bit and
+// f32 tensors are converted to `activation` with one rounding; F8_E4M3 projections with
+// 128x128 `weight_scale_inv` stay fp8 for W8A8 and are also dequantized once (fp32 multiply,
+// one rounding). k_scale / q_scale are read when present. Errors name the file and tensor.
+MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& cfg, DType activation);
+
+}  // namespace kmla

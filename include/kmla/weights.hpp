@@ -3,11 +3,41 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 
 #include "kmla/config.hpp"
 #include "kmla/tensor.hpp"
 
 namespace kmla {
+
+// A projection stored as e4m3 codes with 128x128 block scales (the DeepSeek-V3 / Kimi-K2 fp8
+// recipe). Backends run it as W8A8: activations are quantized per token and per 128 inputs
+// (scale = max(amax, 1e-10) / 448, code = e4m3(x / scale)), and y = sum over blocks of
+// (x8 . w8) * x_scale * w_scale. After tensor-parallel slicing a weight may start inside a
+// block: local row r belongs to block row (r + row_offset) / 128 (columns likewise).
+struct Fp8BlockWeight {
+  static constexpr int kBlock = 128;
+  HostTensor codes;      // e4m3 [out, in]
+  HostTensor scale_inv;  // f32 [ceil((row_offset + out) / 128), ceil((col_offset + in) / 128)], a multiplier
+  int row_offset = 0;
+  int col_offset = 0;
+
+  float scale(int64_t row, int64_t col) const {
+    const int64_t cols = scale_inv.dim(1);
+    return scale_inv.data<float>()[((row + row_offset) / kBlock) * cols + (col + col_offset) / kBlock];
+  }
+  // The dequantized weight in the activation dtype: float(code) * scale in fp32, one rounding.
+  HostTensor dequantize(DType activation) const;
+  // Rows [r0, r0 + n) or columns [c0, c0 + n), scales and offsets adjusted.
+  Fp8BlockWeight slice_rows(int64_t r0, int64_t n) const;
+  Fp8BlockWeight slice_cols(int64_t c0, int64_t n) const;
+  void validate(const char* name) const;
+};
+
+// The activation quantization of the W8A8 recipe, for one token's row of `n` inputs:
+// writes the dequantized values x8 * scale (exactly representable in fp32).
+void quantize_activation_fp8(const float* x, int64_t n, float* dequantized);
 
 struct MlaWeights {
   HostTensor q_a_proj;            // [q_lora, hidden]           q-LoRA only
@@ -21,6 +51,11 @@ struct MlaWeights {
   HostTensor o_proj;              // [hidden, H * 128]
   float k_scale = 1.0f;           // plain fp8 cache: stored = x / k_scale
   float q_scale = 1.0f;           // plain fp8 cache: decode query = x / q_scale
+  // fp8 block-quantized projections by name ("q_a_proj", "q_b_proj", "q_proj",
+  // "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj"). Those listed run as W8A8; the
+  // HostTensor of the same name holds their dequantized copy (used for the absorbed
+  // W_UK_T / W_UV, which are bf16 by the recipe).
+  std::map<std::string, Fp8BlockWeight> fp8;
 
   DType dtype() const { return kv_b_proj.dtype(); }
 

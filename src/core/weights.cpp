@@ -52,6 +52,7 @@ HostTensor random_norm(Random& g, int64_t n, DType t) {
   return m;
 }
 
+
 // Rows [r0, r0 + n) of a 2-D tensor.
 HostTensor slice_rows(const HostTensor& t, int64_t r0, int64_t n) {
   HostTensor s(t.dtype(), {n, t.dim(1)});
@@ -71,6 +72,58 @@ HostTensor slice_cols(const HostTensor& t, int64_t c0, int64_t n) {
 
 }  // namespace
 
+HostTensor Fp8BlockWeight::dequantize(DType act) const {
+  HostTensor out(act, {codes.dim(0), codes.dim(1)});
+  const auto* c = codes.data<uint8_t>();
+  auto* o = out.data<uint16_t>();
+  for (int64_t r = 0; r < codes.dim(0); ++r)
+    for (int64_t k = 0; k < codes.dim(1); ++k) {
+      const float v = e4m3_to_float(c[r * codes.dim(1) + k]) * scale(r, k);
+      o[r * codes.dim(1) + k] = to_act(v, act);
+    }
+  return out;
+}
+
+Fp8BlockWeight Fp8BlockWeight::slice_rows(int64_t r0, int64_t n) const {
+  Fp8BlockWeight s;
+  s.codes = kmla::slice_rows(codes, r0, n);
+  const int64_t first = (r0 + row_offset) / kBlock, last = (r0 + row_offset + n - 1) / kBlock;
+  s.scale_inv = kmla::slice_rows(scale_inv, first, last - first + 1);
+  s.row_offset = int((r0 + row_offset) % kBlock);
+  s.col_offset = col_offset;
+  return s;
+}
+
+Fp8BlockWeight Fp8BlockWeight::slice_cols(int64_t c0, int64_t n) const {
+  Fp8BlockWeight s;
+  s.codes = kmla::slice_cols(codes, c0, n);
+  const int64_t first = (c0 + col_offset) / kBlock, last = (c0 + col_offset + n - 1) / kBlock;
+  s.scale_inv = kmla::slice_cols(scale_inv, first, last - first + 1);
+  s.row_offset = row_offset;
+  s.col_offset = int((c0 + col_offset) % kBlock);
+  return s;
+}
+
+void Fp8BlockWeight::validate(const char* name) const {
+  KMLA_CHECK(codes.dtype() == DType::e4m3 && codes.view().ndim == 2, "fp8 weight ", name,
+             " must be a 2-D e4m3 tensor, got ", dtype_name(codes.dtype()), " ", codes.view().shape_str());
+  KMLA_CHECK(row_offset >= 0 && row_offset < kBlock && col_offset >= 0 && col_offset < kBlock, "fp8 weight ", name,
+             " has block offsets ", row_offset, ", ", col_offset, " outside [0, 128)");
+  const int64_t rows = (row_offset + codes.dim(0) + kBlock - 1) / kBlock;
+  const int64_t cols = (col_offset + codes.dim(1) + kBlock - 1) / kBlock;
+  check_tensor(scale_inv.view(), (std::string(name) + ".weight_scale_inv").c_str(), DType::f32, {rows, cols});
+}
+
+void quantize_activation_fp8(const float* x, int64_t n, float* out) {
+  for (int64_t g = 0; g < n; g += Fp8BlockWeight::kBlock) {
+    const int64_t end = std::min<int64_t>(n, g + Fp8BlockWeight::kBlock);
+    float amax = 0.0f;
+    for (int64_t i = g; i < end; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float s = std::fmax(amax, 1e-10f) / kFp8Max;
+    for (int64_t i = g; i < end; ++i) out[i] = e4m3_to_float(float_to_e4m3_sat(x[i] / s)) * s;
+  }
+}
+
 void MlaWeights::validate(const MlaConfig& c) const {
   c.validate();
   const DType dt = kv_b_proj.dtype();
@@ -88,6 +141,16 @@ void MlaWeights::validate(const MlaConfig& c) const {
       check_tensor(e.t->view(), e.name, dt, {e.rows});
     else
       check_tensor(e.t->view(), e.name, dt, {e.rows, e.cols});
+  }
+  for (const auto& [name, f] : fp8) {
+    const Expect* e = nullptr;
+    const auto exp = expectations(*this, c);
+    for (const Expect& x : exp)
+      if (name == x.name && x.cols != 0) e = &x;
+    KMLA_CHECK(e != nullptr && e->needed, "fp8 weight '", name, "' is not a projection of config '", c.name, "'");
+    f.validate(name.c_str());
+    KMLA_CHECK(f.codes.dim(0) == e->rows && f.codes.dim(1) == e->cols, "fp8 weight ", name, " has shape ",
+               f.codes.view().shape_str(), ", expected [", e->rows, ", ", e->cols, "]");
   }
   KMLA_CHECK(std::isfinite(k_scale) && k_scale > 0, "k_scale must be finite and positive, got ", k_scale);
   KMLA_CHECK(std::isfinite(q_scale) && q_scale > 0, "q_scale must be finite and positive, got ", q_scale);
@@ -128,6 +191,12 @@ MlaWeights MlaWeights::tp_slice(const MlaConfig& full, int rank, int world) cons
   w.kv_b_proj = slice_rows(kv_b_proj, h0 * kKvBOut, H * kKvBOut);
   if (full.use_output_gate) w.g_proj = slice_rows(g_proj, h0 * kVDim, H * kVDim);
   w.o_proj = slice_cols(o_proj, h0 * kVDim, H * kVDim);
+  for (auto& [name, f] : w.fp8) {
+    if (name == "q_b_proj" || name == "q_proj") f = f.slice_rows(h0 * kQkHeadDim, H * kQkHeadDim);
+    else if (name == "kv_b_proj") f = f.slice_rows(h0 * kKvBOut, H * kKvBOut);
+    else if (name == "g_proj") f = f.slice_rows(h0 * kVDim, H * kVDim);
+    else if (name == "o_proj") f = f.slice_cols(h0 * kVDim, H * kVDim);
+  }
   return w;
 }
 
