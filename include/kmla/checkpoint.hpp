@@ -67,4 +67,12 @@ const std::vector<std::string>& mla_projection_names();
 // one rounding). k_scale / q_scale are read when present. Errors name the file and tensor.
 MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& cfg, DType activation);
 
+// What `load_layer_weights` would object to, without loading: missing, unexpected or
+// mis-shaped tensors and unsupported dtypes, one message each (empty when the layer is fine).
+std::vector<std::string> check_layer_tensors(const Checkpoint& ck, int layer, const MlaConfig& cfg);
+
+// Layer indices that have attention tensors in the checkpoint but are not MLA layers of the
+// model (e.g. DeepSeek-V3's multi-token-prediction layer 61).
+std::vector<int> extra_attention_layers(const Checkpoint& ck);
+
 }  // namespace kmla

@@ -1,5 +1,7 @@
 // Mapping a checkpoint's attention tensors onto MlaWeights.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "kmla/checkpoint.hpp"
@@ -65,24 +67,18 @@ float scalar(const Checkpoint& ck, const StTensor& t) {
   return v;
 }
 
-}  // namespace
+struct Slot {
+  const char* name;
+  HostTensor MlaWeights::*field;
+  bool needed;
+  std::vector<int64_t> shape;
+};
 
-MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& cfg, DType act) {
-  KMLA_CHECK(act == DType::bf16 || act == DType::f16, "activation dtype must be bf16 or f16, got ", dtype_name(act));
-  MlaConfig full = cfg;
-  full.tp_rank = 0;
-  full.tp_size = 1;
-  full.validate();
-  const std::string prefix = ck.attention_prefix(layer);
+// The tensors a layer of `full` (an unsliced config) has, with their shapes.
+std::vector<Slot> layer_slots(const MlaConfig& full) {
   const int64_t H = full.num_heads, hid = full.hidden_size, ql = full.q_lora_rank.value_or(0);
-  struct Slot {
-    const char* name;
-    HostTensor MlaWeights::*field;
-    bool needed;
-    std::vector<int64_t> shape;
-  };
   const bool lora = full.q_lora_rank.has_value();
-  const std::vector<Slot> slots = {
+  return {
       {"q_a_proj", &MlaWeights::q_a_proj, lora, {ql, hid}},
       {"q_a_layernorm", &MlaWeights::q_a_layernorm, lora, {ql}},
       {"q_b_proj", &MlaWeights::q_b_proj, lora, {H * kQkHeadDim, ql}},
@@ -93,6 +89,75 @@ MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& 
       {"g_proj", &MlaWeights::g_proj, full.use_output_gate, {H * kVDim, hid}},
       {"o_proj", &MlaWeights::o_proj, true, {hid, H * kVDim}},
   };
+}
+
+MlaConfig unsliced(const MlaConfig& cfg) {
+  MlaConfig full = cfg;
+  full.tp_rank = 0;
+  full.tp_size = 1;
+  full.validate();
+  return full;
+}
+
+}  // namespace
+
+std::vector<std::string> check_layer_tensors(const Checkpoint& ck, int layer, const MlaConfig& cfg) {
+  std::vector<std::string> problems;
+  std::string prefix;
+  try {
+    prefix = ck.attention_prefix(layer);
+    const MlaConfig full = unsliced(cfg);
+    for (const Slot& s : layer_slots(full)) {
+      const std::string name = prefix + s.name + ".weight";
+      try {
+        if (!s.needed) {
+          KMLA_CHECK(!ck.has(name), ck.file_of(name), ": tensor '", name, "' exists but the config does not use it");
+          continue;
+        }
+        KMLA_CHECK(ck.has(name), ck.dir(), ": missing tensor '", name, "'");
+        const StTensor& t = ck.tensor(name);
+        check_shape(ck, t, s.shape);
+        if (t.dtype == StDType::F8_E4M3) {
+          const std::string sname = prefix + s.name + ".weight_scale_inv";
+          KMLA_CHECK(ck.has(sname), ck.dir(), ": tensor '", name, "' is F8_E4M3 but '", sname, "' is missing");
+        } else {
+          KMLA_CHECK(t.dtype == StDType::BF16 || t.dtype == StDType::F16 || t.dtype == StDType::F32,
+                     ck.file_of(name), ": tensor '", name, "' has unsupported dtype ", st_dtype_name(t.dtype));
+        }
+      } catch (const Error& e) {
+        problems.push_back(e.what());
+      }
+    }
+  } catch (const Error& e) {
+    problems.push_back(e.what());
+  }
+  return problems;
+}
+
+std::vector<int> extra_attention_layers(const Checkpoint& ck) {
+  std::vector<int> extra;
+  const auto& mla = ck.config().mla_layers;
+  for (const std::string& name : ck.names()) {
+    const std::string key = "model.layers.";
+    size_t at = name.find(key);
+    if (at == std::string::npos || (at != 0 && name.compare(0, at, "language_model.") != 0)) continue;
+    at += key.size();
+    const size_t dot = name.find('.', at);
+    if (dot == std::string::npos || name.compare(dot, 11, ".self_attn.") != 0) continue;
+    const int layer = std::atoi(name.substr(at, dot - at).c_str());
+    if (std::find(mla.begin(), mla.end(), layer) == mla.end() &&
+        std::find(extra.begin(), extra.end(), layer) == extra.end())
+      extra.push_back(layer);
+  }
+  std::sort(extra.begin(), extra.end());
+  return extra;
+}
+
+MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& cfg, DType act) {
+  KMLA_CHECK(act == DType::bf16 || act == DType::f16, "activation dtype must be bf16 or f16, got ", dtype_name(act));
+  const MlaConfig full = unsliced(cfg);
+  const std::string prefix = ck.attention_prefix(layer);
+  const std::vector<Slot> slots = layer_slots(full);
   MlaWeights w;
   for (const Slot& s : slots) {
     const std::string name = prefix + s.name + ".weight";

@@ -40,8 +40,12 @@ MlaConfig small_model(const std::string& preset, int heads, bool small) {
 
 Case mixed_case(const std::string& preset, CacheFormat format, int block_size, uint64_t seed,
                 int heads, bool small) {
+  return mixed_case(small_model(preset, heads, small), format, block_size, seed);
+}
+
+Case mixed_case(const MlaConfig& config, CacheFormat format, int block_size, uint64_t seed) {
   Case c;
-  c.config = small_model(preset, heads, small);
+  c.config = config;
   c.format = format;
   c.block_size = block_size;
   c.seed = seed;
@@ -109,7 +113,7 @@ Inputs make_inputs(const Case& c) {
   const MlaConfig& cfg = c.config;
   Random rng(c.seed);
   Inputs s;
-  s.weights = MlaWeights::random(cfg, c.seed, c.activation);
+  s.weights = c.weights ? *c.weights : MlaWeights::random(cfg, c.seed, c.activation);
   s.weights.k_scale = c.k_scale;
   s.weights.q_scale = c.q_scale;
 

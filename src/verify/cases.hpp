@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,8 @@ struct Case {
   std::vector<RequestShape> requests;  // in the caller's order (shuffled against the layout)
   uint64_t seed = 1;
   int64_t rope_rows = 0;  // 0: the config's full table
+  // Weights to use instead of random ones (e.g. loaded from a checkpoint).
+  std::shared_ptr<const MlaWeights> weights;
 
   // FLOPs and cache bytes read by the attention of this batch (for bench and reports).
   double attention_flops() const;
@@ -65,6 +68,8 @@ MlaConfig small_model(const std::string& preset, int heads, bool small = true);
 // a fresh prefill and padding rows.
 Case mixed_case(const std::string& preset, CacheFormat format, int block_size, uint64_t seed = 1,
                 int heads = 3, bool small = true);
+// The same batch for any config (e.g. one read from a checkpoint).
+Case mixed_case(const MlaConfig& config, CacheFormat format, int block_size, uint64_t seed = 1);
 
 // The grid the test suite and `kmla verify --all` run.
 std::vector<Case> standard_cases();

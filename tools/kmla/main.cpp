@@ -1,15 +1,18 @@
 // kmla: the command-line tool. `info` describes a layer, `verify` runs named cases through
 // a backend and the fp64 oracle. Only this file turns kmla::Error into exit codes.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "kmla/cache.hpp"
+#include "kmla/checkpoint.hpp"
 #include "kmla/config.hpp"
 #include "kmla/error.hpp"
 #include "kmla/hf_config.hpp"
+#include "kmla/weights.hpp"
 #include "verify/cases.hpp"
 
 namespace {
@@ -145,6 +148,67 @@ int run_verify(const std::vector<kmla::verify::Case>& cases, bool as_json) {
   return failed ? 1 : 0;
 }
 
+// Lists a checkpoint's MLA layers and their tensors; reports what is missing or malformed.
+int run_inspect(const std::string& dir, bool as_json) {
+  const kmla::Checkpoint ck = kmla::Checkpoint::open(dir);
+  const kmla::HfModelConfig& hf = ck.config();
+  json j;
+  j["dir"] = dir;
+  j["model_type"] = hf.model_type;
+  j["mla_layers"] = hf.mla_layers;
+  j["extra_attention_layers"] = kmla::extra_attention_layers(ck);
+  int problems = 0;
+  for (int layer : hf.mla_layers) {
+    json l;
+    l["layer"] = layer;
+    const auto issues = kmla::check_layer_tensors(ck, layer, hf.mla);
+    problems += int(issues.size());
+    l["problems"] = issues;
+    std::string prefix;
+    try {
+      prefix = ck.attention_prefix(layer);
+    } catch (const kmla::Error&) {
+    }
+    json tensors = json::array();
+    int64_t bytes = 0;
+    if (!prefix.empty())
+      for (const std::string& name : ck.names()) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        const kmla::StTensor& t = ck.tensor(name);
+        tensors.push_back({{"name", name}, {"dtype", kmla::st_dtype_name(t.dtype)}, {"shape", t.shape},
+                           {"bytes", t.bytes}, {"file", ck.file_of(name)}});
+        bytes += int64_t(t.bytes);
+      }
+    l["tensors"] = tensors;
+    l["bytes"] = bytes;
+    j["layers"].push_back(l);
+  }
+  j["problems"] = problems;
+  if (as_json) {
+    std::cout << j.dump(2) << "\n";
+    return problems ? 1 : 0;
+  }
+  const MlaConfig& c = hf.mla;
+  std::printf("%s (%s): hidden %d, %d heads, q-LoRA %s, RoPE %s, gate %s\n", dir.c_str(), hf.model_type.c_str(),
+              c.hidden_size, c.num_heads, c.q_lora_rank ? std::to_string(*c.q_lora_rank).c_str() : "none",
+              c.use_rope ? kmla::rope_type_name(c.rope.type) : "off", c.use_output_gate ? "on" : "off");
+  std::printf("%zu MLA layers of %d\n", hf.mla_layers.size(), hf.num_hidden_layers);
+  for (const json& l : j["layers"]) {
+    std::printf("layer %d  (%.2f MiB)\n", l["layer"].get<int>(), l["bytes"].get<int64_t>() / 1048576.0);
+    for (const json& t : l["tensors"]) {
+      std::string shape;
+      for (const auto& d : t["shape"]) shape += (shape.empty() ? "" : "x") + std::to_string(d.get<int64_t>());
+      std::printf("  %-60s %-8s %-14s %12lld B\n", t["name"].get<std::string>().c_str(),
+                  t["dtype"].get<std::string>().c_str(), shape.c_str(), (long long)t["bytes"].get<int64_t>());
+    }
+    for (const json& p : l["problems"]) std::printf("  PROBLEM: %s\n", p.get<std::string>().c_str());
+  }
+  for (int e : j["extra_attention_layers"])
+    std::printf("layer %d has attention tensors but is not an MLA layer of this model (e.g. an MTP layer)\n", e);
+  std::printf("%d problem%s\n", problems, problems == 1 ? "" : "s");
+  return problems ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,6 +242,19 @@ int main(int argc, char** argv) {
   verify->add_flag("--all", v_all, "run the whole standard grid");
   verify->add_flag("--json", v_json, "machine-readable output");
 
+  std::string ck_dir;
+  bool inspect_json = false;
+  CLI::App* inspect = app.add_subcommand("inspect", "list a checkpoint's MLA layers and tensors, report problems");
+  inspect->add_option("dir", ck_dir, "Hugging Face model directory")->required();
+  inspect->add_flag("--json", inspect_json, "machine-readable output");
+
+  std::string v_checkpoint;
+  int v_layer = -1, v_tp = 1, v_rank = 0;
+  verify->add_option("--checkpoint", v_checkpoint, "verify a layer of this model directory");
+  verify->add_option("--layer", v_layer, "layer index (default: the first MLA layer)");
+  verify->add_option("--tp", v_tp, "tensor-parallel world size for the checkpoint layer")->check(CLI::PositiveNumber);
+  verify->add_option("--rank", v_rank, "tensor-parallel rank")->check(CLI::NonNegativeNumber);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -185,12 +262,32 @@ int main(int argc, char** argv) {
   }
   try {
     if (*info) return run_info(info_model, batch, context, block_size, workspace, info_json);
+    if (*inspect) return run_inspect(ck_dir, inspect_json);
     if (*verify) {
       KMLA_CHECK(device == "cpu", "device '", device, "': this build has only the CPU backend");
       std::vector<kmla::verify::Case> cases;
-      if (v_all) cases = kmla::verify::standard_cases();
-      else cases.push_back(kmla::verify::mixed_case(v_model, kmla::parse_cache_format(v_format), v_block, v_seed,
+      if (!v_checkpoint.empty()) {
+        const kmla::Checkpoint ck = kmla::Checkpoint::open(v_checkpoint);
+        MlaConfig cfg = ck.config().mla;
+        KMLA_CHECK(!ck.config().mla_layers.empty(), v_checkpoint, ": the config lists no MLA layers");
+        const int layer = v_layer >= 0 ? v_layer : ck.config().mla_layers.front();
+        const auto& mla = ck.config().mla_layers;
+        KMLA_CHECK(std::find(mla.begin(), mla.end(), layer) != mla.end(), "layer ", layer,
+                   " is not an MLA layer of ", v_checkpoint);
+        if (v_tp > 1 || v_rank > 0) cfg = cfg.tp_slice(v_rank, v_tp);
+        auto w = std::make_shared<kmla::MlaWeights>(kmla::load_layer_weights(ck, layer, cfg, kmla::DType::bf16));
+        kmla::verify::Case c = kmla::verify::mixed_case(cfg, kmla::parse_cache_format(v_format), v_block, v_seed);
+        c.name = v_checkpoint + "/layer" + std::to_string(layer) + "/" + v_format;
+        c.weights = w;
+        c.k_scale = w->k_scale;
+        c.q_scale = w->q_scale;
+        cases.push_back(c);
+      } else if (v_all) {
+        cases = kmla::verify::standard_cases();
+      } else {
+        cases.push_back(kmla::verify::mixed_case(v_model, kmla::parse_cache_format(v_format), v_block, v_seed,
                                                     v_heads, !v_full));
+      }
       return run_verify(cases, v_json);
     }
   } catch (const kmla::Error& e) {
