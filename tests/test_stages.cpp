@@ -36,9 +36,12 @@ constexpr double kLseTol = 1e-4;
 
 double ulp_rel(DType t) {
   switch (t) {
-    case DType::bf16: return 1.0 / 256;
-    case DType::f16: return 1.0 / 1024;
-    default: return 1e-6;  // f32 output: only fp32 accumulation error
+    case DType::bf16:
+      return 1.0 / 256;
+    case DType::f16:
+      return 1.0 / 1024;
+    default:
+      return 1e-6;  // f32 output: only fp32 accumulation error
   }
 }
 
@@ -52,16 +55,26 @@ struct Rng {
 };
 
 // A host tensor of `dtype` filled with N(0, sd^2) values (rounded/quantized to the dtype).
-HostTensor random_tensor(Rng& rng, DType dtype, std::initializer_list<int64_t> dims, double sd = 1.0) {
+HostTensor random_tensor(Rng& rng, DType dtype, std::initializer_list<int64_t> dims,
+                         double sd = 1.0) {
   HostTensor t(dtype, dims);
   for (int64_t i = 0; i < t.numel(); ++i) {
     const float x = float(rng.normal() * sd);
     switch (dtype) {
-      case DType::bf16: t.data<uint16_t>()[i] = float_to_bf16(x); break;
-      case DType::f16: t.data<uint16_t>()[i] = float_to_fp16(x); break;
-      case DType::f32: t.data<float>()[i] = x; break;
-      case DType::e4m3: t.data<uint8_t>()[i] = float_to_e4m3_sat(x); break;
-      default: ADD_FAILURE() << "unsupported dtype";
+      case DType::bf16:
+        t.data<uint16_t>()[i] = float_to_bf16(x);
+        break;
+      case DType::f16:
+        t.data<uint16_t>()[i] = float_to_fp16(x);
+        break;
+      case DType::f32:
+        t.data<float>()[i] = x;
+        break;
+      case DType::e4m3:
+        t.data<uint8_t>()[i] = float_to_e4m3_sat(x);
+        break;
+      default:
+        ADD_FAILURE() << "unsupported dtype";
     }
   }
   return t;
@@ -70,11 +83,17 @@ HostTensor random_tensor(Rng& rng, DType dtype, std::initializer_list<int64_t> d
 // Element i of a float-like tensor as double (e4m3 times `scale`).
 double value(const HostTensor& t, int64_t i, double scale = 1.0) {
   switch (t.dtype()) {
-    case DType::bf16: return bf16_to_float(t.data<uint16_t>()[i]);
-    case DType::f16: return fp16_to_float(t.data<uint16_t>()[i]);
-    case DType::f32: return t.data<float>()[i];
-    case DType::e4m3: return double(e4m3_to_float(t.data<uint8_t>()[i])) * scale;
-    default: ADD_FAILURE() << "unsupported dtype"; return 0;
+    case DType::bf16:
+      return bf16_to_float(t.data<uint16_t>()[i]);
+    case DType::f16:
+      return fp16_to_float(t.data<uint16_t>()[i]);
+    case DType::f32:
+      return t.data<float>()[i];
+    case DType::e4m3:
+      return double(e4m3_to_float(t.data<uint8_t>()[i])) * scale;
+    default:
+      ADD_FAILURE() << "unsupported dtype";
+      return 0;
   }
 }
 
@@ -84,13 +103,17 @@ std::vector<double> values(const HostTensor& t, double scale = 1.0) {
   return v;
 }
 
-HostTensor tensor_of(DType dtype, std::initializer_list<int64_t> dims, const std::vector<float>& v) {
+HostTensor tensor_of(DType dtype, std::initializer_list<int64_t> dims,
+                     const std::vector<float>& v) {
   HostTensor t(dtype, dims);
   EXPECT_EQ(int64_t(v.size()), t.numel());
   for (int64_t i = 0; i < t.numel(); ++i) {
-    if (dtype == DType::f32) t.data<float>()[i] = v[size_t(i)];
-    else if (dtype == DType::bf16) t.data<uint16_t>()[i] = float_to_bf16(v[size_t(i)]);
-    else t.data<uint16_t>()[i] = float_to_fp16(v[size_t(i)]);
+    if (dtype == DType::f32)
+      t.data<float>()[i] = v[size_t(i)];
+    else if (dtype == DType::bf16)
+      t.data<uint16_t>()[i] = float_to_bf16(v[size_t(i)]);
+    else
+      t.data<uint16_t>()[i] = float_to_fp16(v[size_t(i)]);
   }
   return t;
 }
@@ -98,7 +121,8 @@ HostTensor tensor_of(DType dtype, std::initializer_list<int64_t> dims, const std
 // The reference: one (query, head) row attending to n keys in fp64.
 // out[dv] = sum_j softmax_j(scale * q.k_j) v_j; lse = log sum_j exp(scale * q.k_j).
 void ref_row(const double* q, int dq, const std::vector<const double*>& keys,
-             const std::vector<const double*>& vals, int dv, double scale, double* out, double* lse) {
+             const std::vector<const double*>& vals, int dv, double scale, double* out,
+             double* lse) {
   const size_t n = keys.size();
   if (n == 0) {
     std::fill(out, out + dv, 0.0);
@@ -194,8 +218,10 @@ void run_prefill_case(const std::vector<int64_t>& q_lens, const std::vector<int6
   HostTensor v = random_tensor(rng, in_dtype, {Tk, H, kVDim}, sd);
   HostTensor out(out_dtype, {Tq, H, kVDim}), lse(DType::f32, {Tq, H});
   const double scale = 1.0 / std::sqrt(192.0) * (in_dtype == DType::e4m3 ? 0.25 : 1.0);
-  prefill_attention(q.view(), k.view(), v.view(), cu_q, cu_k, causal, scale, out.view(), lse.view());
-  const PrefillRef ref = prefill_reference(values(q), values(k), values(v), H, cu_q, cu_k, causal, scale);
+  prefill_attention(q.view(), k.view(), v.view(), cu_q, cu_k, causal, scale, out.view(),
+                    lse.view());
+  const PrefillRef ref =
+      prefill_reference(values(q), values(k), values(v), H, cu_q, cu_k, causal, scale);
   expect_close(out, ref.out, "prefill output");
   expect_lse(lse, ref.lse, "prefill");
 }
@@ -217,7 +243,8 @@ TEST(PrefillAttention, CausalMoreQueriesThanKeysGivesEmptyRows) {
   HostTensor v = random_tensor(rng, DType::bf16, {3, 2, kVDim});
   HostTensor out(DType::bf16, {7, 2, kVDim}), lse(DType::f32, {7, 2});
   prefill_attention(q.view(), k.view(), v.view(), cu_q, cu_k, true, 0.07, out.view(), lse.view());
-  const PrefillRef ref = prefill_reference(values(q), values(k), values(v), 2, cu_q, cu_k, true, 0.07);
+  const PrefillRef ref =
+      prefill_reference(values(q), values(k), values(v), 2, cu_q, cu_k, true, 0.07);
   expect_close(out, ref.out, "prefill output");
   expect_lse(lse, ref.lse, "prefill");
   for (int i = 0; i < 8; ++i) EXPECT_EQ(lse.data<float>()[i], -INFINITY);
@@ -308,7 +335,8 @@ void run_decode_case(CacheFormat fmt, int block_size, const std::vector<std::pai
                                                    : DType::bf16;
   const DType out_dtype = fmt == CacheFormat::fp16 ? DType::f16 : DType::bf16;
   const float q_scale = 0.25f;
-  HostTensor q = random_tensor(rng, q_dtype, {Td, H, kLatentDim}, q_dtype == DType::e4m3 ? 4.0 : 1.0);
+  HostTensor q =
+      random_tensor(rng, q_dtype, {Td, H, kLatentDim}, q_dtype == DType::e4m3 ? 4.0 : 1.0);
   HostTensor out(out_dtype, {Td, H, kKvLoraRank}), lse(DType::f32, {Td, H});
   const double scale = 1.0 / std::sqrt(192.0);
   decode_attention(q.view(), q_scale, d.cache, d.md, scale, out.view(), lse.view());
@@ -342,8 +370,9 @@ void run_decode_case(CacheFormat fmt, int block_size, const std::vector<std::pai
 TEST_P(DecodeAttentionTest, SingleAndMultiTokenCausal) {
   // (query_len, context_len): single tokens, a causal 3-token block, a 2-token block, and
   // a request with no new tokens.
-  run_decode_case(GetParam().format, GetParam().block_size, {{1, 1}, {1, 36}, {3, 60}, {0, 5}, {2, 140}},
-                  4, false, 3, 10 + GetParam().block_size);
+  run_decode_case(GetParam().format, GetParam().block_size,
+                  {{1, 1}, {1, 36}, {3, 60}, {0, 5}, {2, 140}}, 4, false, 3,
+                  10 + GetParam().block_size);
 }
 
 TEST_P(DecodeAttentionTest, MultiTokenNonCausal) {
@@ -357,7 +386,8 @@ INSTANTIATE_TEST_SUITE_P(
                       DecodeCase{CacheFormat::bf16, 64}, DecodeCase{CacheFormat::fp16, 16},
                       DecodeCase{CacheFormat::fp8, 1}, DecodeCase{CacheFormat::fp8, 16},
                       DecodeCase{CacheFormat::fp8, 64}, DecodeCase{CacheFormat::fp8_ds_mla, 1},
-                      DecodeCase{CacheFormat::fp8_ds_mla, 16}, DecodeCase{CacheFormat::fp8_ds_mla, 64}),
+                      DecodeCase{CacheFormat::fp8_ds_mla, 16},
+                      DecodeCase{CacheFormat::fp8_ds_mla, 64}),
     [](const ::testing::TestParamInfo<DecodeCase>& info) {
       return std::string(cache_format_name(info.param.format)) + "_bs" +
              std::to_string(info.param.block_size);
@@ -445,8 +475,10 @@ TEST(MergeAttnStates, AttentionOverUnionEqualsMergedParts) {
   HostTensor vb = random_tensor(rng, DType::f32, {17, H, kVDim});
   // The union, sequence by sequence: [A_s | B_s].
   HostTensor kab(DType::f32, {27, H, kQkHeadDim}), vab(DType::f32, {27, H, kVDim});
-  auto append = [&](const HostTensor& src, int64_t row0, int64_t n, HostTensor& dst, int64_t at, int64_t w) {
-    std::memcpy(dst.data<float>() + at * H * w, src.data<float>() + row0 * H * w, size_t(n * H * w) * 4);
+  auto append = [&](const HostTensor& src, int64_t row0, int64_t n, HostTensor& dst, int64_t at,
+                    int64_t w) {
+    std::memcpy(dst.data<float>() + at * H * w, src.data<float>() + row0 * H * w,
+                size_t(n * H * w) * 4);
   };
   int64_t at = 0;
   for (int s = 0; s < 2; ++s) {
@@ -468,7 +500,8 @@ TEST(MergeAttnStates, AttentionOverUnionEqualsMergedParts) {
   attend(kb, vb, cu_b, ob, lb);
   attend(kab, vab, cu_ab, oab, lab);
   HostTensor merged(DType::f32, {8, H, kVDim}), merged_lse(DType::f32, {8, H});
-  merge_attn_states(oa.view(), la.view(), ob.view(), lb.view(), 8, merged.view(), merged_lse.view());
+  merge_attn_states(oa.view(), la.view(), ob.view(), lb.view(), 8, merged.view(),
+                    merged_lse.view());
   for (int64_t i = 0; i < merged.numel(); ++i)
     EXPECT_NEAR(merged.data<float>()[i], oab.data<float>()[i], 1e-5) << i;
   for (int64_t i = 0; i < merged_lse.numel(); ++i)
@@ -488,7 +521,8 @@ std::vector<float> expected_row(const HostTensor& kv, const HostTensor& pe, int6
                                 const RopeTable* rope, int64_t pos, CacheFormat fmt,
                                 int64_t layer = 0, int64_t layers = 1) {
   std::vector<float> row(kLatentDim);
-  for (int i = 0; i < kKvLoraRank; ++i) row[size_t(i)] = float(value(kv, (t * layers + layer) * kKvLoraRank + i));
+  for (int i = 0; i < kKvLoraRank; ++i)
+    row[size_t(i)] = float(value(kv, (t * layers + layer) * kKvLoraRank + i));
   std::vector<double> x(kRopeDim);
   for (int i = 0; i < kRopeDim; ++i) x[size_t(i)] = value(pe, (t * layers + layer) * kRopeDim + i);
   for (int i = 0; i < kRopeDim; ++i) {
@@ -555,24 +589,29 @@ TEST(CacheInsert, BadSlotOrPositionThrowsAndLeavesCacheUntouched) {
   // The bad slot comes last: nothing before it may have been written either.
   int64_t slots[3] = {0, 5, 8};
   std::memcpy(slot_t.data<int64_t>(), slots, sizeof slots);
-  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), cache), Error);
+  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), cache),
+               Error);
   EXPECT_EQ(bytes_of(cache), before);
   slots[2] = 7;
   std::memcpy(slot_t.data<int64_t>(), slots, sizeof slots);
   int64_t pos[3] = {0, 1, 64};  // the table has 64 rows
   std::memcpy(pos_t.data<int64_t>(), pos, sizeof pos);
-  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), cache), Error);
+  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), cache),
+               Error);
   EXPECT_EQ(bytes_of(cache), before);
   // Without RoPE positions are ignored.
   cache_insert(kv.view(), pe.view(), pos_t.view(), nullptr, slot_t.view(), cache);
   EXPECT_NE(bytes_of(cache), before);
   // Mismatched shapes and dtypes.
   HostTensor pe_short = random_tensor(rng, DType::bf16, {2, kRopeDim});
-  EXPECT_THROW(cache_insert(kv.view(), pe_short.view(), pos_t.view(), nullptr, slot_t.view(), cache), Error);
+  EXPECT_THROW(
+      cache_insert(kv.view(), pe_short.view(), pos_t.view(), nullptr, slot_t.view(), cache), Error);
   HostTensor pe_f16 = random_tensor(rng, DType::f16, {3, kRopeDim});
-  EXPECT_THROW(cache_insert(kv.view(), pe_f16.view(), pos_t.view(), nullptr, slot_t.view(), cache), Error);
+  EXPECT_THROW(cache_insert(kv.view(), pe_f16.view(), pos_t.view(), nullptr, slot_t.view(), cache),
+               Error);
   HostTensor slot_i32(DType::i32, {3});
-  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), nullptr, slot_i32.view(), cache), Error);
+  EXPECT_THROW(cache_insert(kv.view(), pe.view(), pos_t.view(), nullptr, slot_i32.view(), cache),
+               Error);
 }
 
 TEST(CacheInsert, LayersWriteEachCache) {
@@ -604,10 +643,14 @@ TEST(CacheInsert, LayersWriteEachCache) {
   std::vector<LatentCache*> mixed{ptrs[0], &small, ptrs[2]};
   const std::vector<std::byte> before0 = bytes_of(caches[0]);
   std::memset(caches[0].base(), 0, before0.size());
-  EXPECT_THROW(cache_insert_layers(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), mixed), Error);
+  EXPECT_THROW(
+      cache_insert_layers(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), mixed),
+      Error);
   for (std::byte b : bytes_of(caches[0])) ASSERT_EQ(b, std::byte{0});
   std::vector<LatentCache*> too_few{ptrs[0], ptrs[1]};
-  EXPECT_THROW(cache_insert_layers(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), too_few), Error);
+  EXPECT_THROW(
+      cache_insert_layers(kv.view(), pe.view(), pos_t.view(), rope.get(), slot_t.view(), too_few),
+      Error);
 }
 
 // ---- bad inputs ----------------------------------------------------------------------
@@ -620,54 +663,69 @@ TEST(StageValidation, BadInputsThrow) {
   HostTensor out(DType::bf16, {Td, 2, kKvLoraRank}), lse(DType::f32, {Td, 2});
   decode_attention(q.view(), 1.0f, d.cache, d.md, 0.07, out.view(), lse.view());  // fine
   HostTensor q_short = random_tensor(rng, DType::bf16, {Td - 1, 2, kLatentDim});
-  EXPECT_THROW(decode_attention(q_short.view(), 1.0f, d.cache, d.md, 0.07, out.view(), lse.view()), Error);
+  EXPECT_THROW(decode_attention(q_short.view(), 1.0f, d.cache, d.md, 0.07, out.view(), lse.view()),
+               Error);
   HostTensor lse_bad(DType::f32, {Td, 3});
-  EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, d.md, 0.07, out.view(), lse_bad.view()), Error);
+  EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, d.md, 0.07, out.view(), lse_bad.view()),
+               Error);
   HostTensor q8 = random_tensor(rng, DType::e4m3, {Td, 2, kLatentDim});
-  EXPECT_THROW(decode_attention(q8.view(), 0.0f, d.cache, d.md, 0.07, out.view(), lse.view()), Error);
+  EXPECT_THROW(decode_attention(q8.view(), 0.0f, d.cache, d.md, 0.07, out.view(), lse.view()),
+               Error);
   HostTensor out_i32(DType::i32, {Td, 2, kKvLoraRank});
-  EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, d.md, 0.07, out_i32.view(), lse.view()), Error);
+  EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, d.md, 0.07, out_i32.view(), lse.view()),
+               Error);
   {
     BatchMetadata md = d.md;
     md.block_size = 8;  // planned for another cache
-    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()), Error);
+    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()),
+                 Error);
     md = d.md;
     md.block_tables[0] = int32_t(d.cache.num_blocks());  // a block the cache does not have
-    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()), Error);
+    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()),
+                 Error);
     md = d.md;
     md.seq_lens[1] += 1;  // lengths that do not add up
-    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()), Error);
+    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()),
+                 Error);
     md = d.md;
     md.query_lens[1] = 3;  // a decode above its threshold
     md.query_start[2] += 1;
     md.seq_lens[1] += 1;
-    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()), Error);
+    EXPECT_THROW(decode_attention(q.view(), 1.0f, d.cache, md, 0.07, out.view(), lse.view()),
+                 Error);
   }
 
   HostTensor pq = random_tensor(rng, DType::bf16, {5, 2, kQkHeadDim});
   HostTensor pk = random_tensor(rng, DType::bf16, {6, 2, kQkHeadDim});
   HostTensor pv = random_tensor(rng, DType::bf16, {6, 2, kVDim});
   HostTensor po(DType::bf16, {5, 2, kVDim}), pl(DType::f32, {5, 2});
-  auto prefill = [&](const std::vector<int64_t>& cq, const std::vector<int64_t>& ck, const TensorView& k) {
+  auto prefill = [&](const std::vector<int64_t>& cq, const std::vector<int64_t>& ck,
+                     const TensorView& k) {
     prefill_attention(pq.view(), k, pv.view(), cq, ck, true, 0.07, po.view(), pl.view());
   };
-  prefill({0, 2, 5}, {0, 3, 6}, pk.view());  // fine
+  prefill({0, 2, 5}, {0, 3, 6}, pk.view());                             // fine
   EXPECT_THROW(prefill({0, 3, 2, 5}, {0, 3, 3, 6}, pk.view()), Error);  // decreasing cu_q
   EXPECT_THROW(prefill({0, 2, 4}, {0, 3, 6}, pk.view()), Error);        // cu_q ends early
   EXPECT_THROW(prefill({0, 2, 5}, {0, 6}, pk.view()), Error);           // sizes differ
   EXPECT_THROW(prefill({1, 2, 5}, {0, 3, 6}, pk.view()), Error);        // does not start at 0
   EXPECT_THROW(prefill({}, {}, pk.view()), Error);
   HostTensor pk_f16 = random_tensor(rng, DType::f16, {6, 2, kQkHeadDim});
-  EXPECT_THROW(prefill({0, 2, 5}, {0, 3, 6}, pk_f16.view()), Error);    // mixed dtypes
+  EXPECT_THROW(prefill({0, 2, 5}, {0, 3, 6}, pk_f16.view()), Error);  // mixed dtypes
   HostTensor pk_heads = random_tensor(rng, DType::bf16, {6, 3, kQkHeadDim});
   EXPECT_THROW(prefill({0, 2, 5}, {0, 3, 6}, pk_heads.view()), Error);  // head mismatch
 
   HostTensor m_out(DType::bf16, {5, 2, kVDim});
-  EXPECT_THROW(merge_attn_states(po.view(), pl.view(), po.view(), pl.view(), 6, m_out.view(), TensorView{}), Error);
+  EXPECT_THROW(
+      merge_attn_states(po.view(), pl.view(), po.view(), pl.view(), 6, m_out.view(), TensorView{}),
+      Error);
   HostTensor m_lse(DType::f32, {5, 3});
-  EXPECT_THROW(merge_attn_states(po.view(), pl.view(), po.view(), m_lse.view(), 5, m_out.view(), TensorView{}), Error);
+  EXPECT_THROW(merge_attn_states(po.view(), pl.view(), po.view(), m_lse.view(), 5, m_out.view(),
+                                 TensorView{}),
+               Error);
   HostTensor m_f16(DType::f16, {5, 2, kVDim});
-  EXPECT_THROW(merge_attn_states(po.view(), pl.view(), po.view(), pl.view(), 5, m_f16.view(), TensorView{}), Error);
+  EXPECT_THROW(
+      merge_attn_states(po.view(), pl.view(), po.view(), pl.view(), 5, m_f16.view(), TensorView{}),
+      Error);
 }
 
 // ---- layer smoke test ------------------------------------------------------------------
@@ -717,11 +775,13 @@ void run_smoke(MlaConfig cfg, CacheFormat fmt, LayerOptions opts, uint64_t seed)
   ASSERT_GT(b.md.context_chunks.size(), 1u);
   layer.forward(b.positions.view(), b.hidden.view(), &b.md, cache, b.out.view());
   const int64_t hs = cfg.hidden_size;
-  for (int64_t i = 0; i < b.md.num_tokens * hs; ++i) ASSERT_TRUE(std::isfinite(value(b.out, i))) << i;
+  for (int64_t i = 0; i < b.md.num_tokens * hs; ++i)
+    ASSERT_TRUE(std::isfinite(value(b.out, i))) << i;
   double energy = 0;
   for (int64_t i = 0; i < b.md.num_tokens * hs; ++i) energy += std::fabs(value(b.out, i));
   EXPECT_GT(energy, 0.0);
-  for (int64_t i = b.md.num_tokens * hs; i < b.md.num_rows * hs; ++i) ASSERT_EQ(value(b.out, i), 0.0) << i;
+  for (int64_t i = b.md.num_tokens * hs; i < b.md.num_rows * hs; ++i)
+    ASSERT_EQ(value(b.out, i), 0.0) << i;
   // A profiling run (no metadata) returns zeros and leaves the cache alone.
   const std::vector<std::byte> before = bytes_of(cache);
   std::memset(b.out.data<void>(), 0x7F, b.out.bytes());
@@ -809,7 +869,8 @@ TEST(LayerSmoke, BadCallsThrowBeforeTouchingTheCache) {
   md.causal_decode = false;  // the config is causal
   EXPECT_THROW(layer.forward(b.positions.view(), b.hidden.view(), &md, cache, b.out.view()), Error);
   HostTensor short_out(DType::bf16, {b.md.num_rows - 1, cfg.hidden_size});
-  EXPECT_THROW(layer.forward(b.positions.view(), b.hidden.view(), &b.md, cache, short_out.view()), Error);
+  EXPECT_THROW(layer.forward(b.positions.view(), b.hidden.view(), &b.md, cache, short_out.view()),
+               Error);
   HostTensor pos_i32(DType::i32, {b.md.num_rows});
   EXPECT_THROW(layer.forward(pos_i32.view(), b.hidden.view(), &b.md, cache, b.out.view()), Error);
   EXPECT_EQ(bytes_of(cache), before);

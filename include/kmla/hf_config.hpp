@@ -14,6 +14,11 @@ struct HfModelConfig {
   std::string model_type;
   int num_hidden_layers = 0;
   std::vector<int> mla_layers;  // 0-based indices of the layers that are MLA
+  // quantization_config: its method ("fp8", "compressed-tensors", ...; empty if none) and,
+  // for block-fp8 recipes, weight_block_size. Which tensors it covers is read off their dtypes:
+  // recipes that quantize only experts (Kimi-K3, K2-Thinking) leave attention in bf16.
+  std::string quant_method;
+  std::vector<int> weight_block_size;
 };
 
 // Parses the JSON text of a config.json. `source` names it in error messages.

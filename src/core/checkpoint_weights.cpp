@@ -174,6 +174,9 @@ MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& 
       continue;
     }
     const std::string sname = prefix + s.name + ".weight_scale_inv";
+    const auto& block = ck.config().weight_block_size;
+    KMLA_CHECK(block.empty() || block == std::vector<int>({128, 128}), ck.dir(), ": tensor '", name,
+               "' is F8_E4M3 but quantization_config.weight_block_size is not [128, 128]; kmla supports 128x128 blocks");
     KMLA_CHECK(s.shape.size() == 2, ck.file_of(name), ": tensor '", name, "' is F8_E4M3 but is not a matrix");
     KMLA_CHECK(ck.has(sname), ck.dir(), ": tensor '", name, "' is F8_E4M3 but '", sname, "' is missing");
     const StTensor& st = ck.tensor(sname);

@@ -93,6 +93,12 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& source
     } else {
       for (int l = 0; l < out.num_hidden_layers; ++l) out.mla_layers.push_back(l);
     }
+    const json& q = root.contains("quantization_config") ? root["quantization_config"]
+                    : t.contains("quantization_config") ? t["quantization_config"] : json();
+    if (q.is_object()) {
+      out.quant_method = get_or<std::string>(q, "quant_method", "unknown");
+      out.weight_block_size = get_or<std::vector<int>>(q, "weight_block_size", {});
+    }
     c.validate();
   } catch (const json::exception& e) {
     KMLA_CHECK(false, source, ": a field has the wrong type: ", e.what());

@@ -35,9 +35,9 @@ constexpr int64_t kPrefillKeyBlock = 512;
 // vis[i] keys of the block. Q [nq, dqk], K [*, dqk], V [*, dv] with the given row strides;
 // m, l [nq] and acc [nq, dv] (row stride ldacc) carry the running state; S is scratch for
 // nq x max(vis) scores.
-void attend_block(const float* Q, int64_t ldq, int64_t nq, int64_t dqk, const float* K,
-                  int64_t ldk, const float* V, int64_t ldv, int64_t dv, const int64_t* vis,
-                  float scale, float* m, float* l, float* acc, int64_t ldacc, float* S) {
+void attend_block(const float* Q, int64_t ldq, int64_t nq, int64_t dqk, const float* K, int64_t ldk,
+                  const float* V, int64_t ldv, int64_t dv, const int64_t* vis, float scale,
+                  float* m, float* l, float* acc, int64_t ldacc, float* S) {
   int64_t nk = 0;
   for (int64_t i = 0; i < nq; ++i) nk = std::max(nk, vis[i]);
   if (nk == 0) return;
@@ -109,7 +109,8 @@ void decode_attention_f32(const float* q, int heads, const LatentCache& cache,
       chunks.push_back({r, row, std::min(end, row + kDecodeRowChunk), 0, 0});
   }
   if (chunks.empty()) return;
-  const int64_t want_splits = (2 * int64_t(threads) + int64_t(chunks.size()) - 1) / int64_t(chunks.size());
+  const int64_t want_splits =
+      (2 * int64_t(threads) + int64_t(chunks.size()) - 1) / int64_t(chunks.size());
   std::vector<Split> splits;
   int64_t state_rows = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
@@ -121,8 +122,8 @@ void decode_attention_f32(const float* q, int heads, const LatentCache& cache,
     ch.num_splits = int(n);
     for (int64_t s = 0; s < n; ++s) {
       const int64_t b0 = s * blocks / n, b1 = (s + 1) * blocks / n;
-      splits.push_back({int(c), std::min(S, b0 * kDecodeKeyBlock), std::min(S, b1 * kDecodeKeyBlock),
-                        state_rows});
+      splits.push_back({int(c), std::min(S, b0 * kDecodeKeyBlock),
+                        std::min(S, b1 * kDecodeKeyBlock), state_rows});
       state_rows += ch.row1 - ch.row0;
     }
   }
@@ -134,7 +135,7 @@ void decode_attention_f32(const float* q, int heads, const LatentCache& cache,
     std::vector<int64_t> vis;
   };
   const int workers = int(std::min<int64_t>(std::max(threads, 1), int64_t(splits.size())));
-  std::vector<Scratch> scratch(size_t(workers));
+  std::vector<Scratch> scratch{size_t(workers)};
   const RowCodec codec = cache.codec();
 
   parallel_for(int64_t(splits.size()), workers, [&](int64_t si, int worker) {
@@ -155,8 +156,8 @@ void decode_attention_f32(const float* q, int heads, const LatentCache& cache,
         const int64_t count = md.decode_key_count(ch.r, token);
         sc.vis[size_t(i)] = std::clamp<int64_t>(count - kb, 0, n);
       }
-      attend_block(q + ch.row0 * kLatentDim, kLatentDim, nq, kLatentDim, sc.keys.data(),
-                   kLatentDim, sc.keys.data(), kLatentDim, kKvLoraRank, sc.vis.data(), scale,
+      attend_block(q + ch.row0 * kLatentDim, kLatentDim, nq, kLatentDim, sc.keys.data(), kLatentDim,
+                   sc.keys.data(), kLatentDim, kKvLoraRank, sc.vis.data(), scale,
                    m.data() + sp.state, l.data() + sp.state, acc.data() + sp.state * kKvLoraRank,
                    kKvLoraRank, sc.scores.data());
     }
@@ -219,8 +220,9 @@ void prefill_attention_f32(const PrefillProblem& p, int threads) {
     std::vector<float> m, l, acc, scores;
     std::vector<int64_t> vis;
   };
-  const int workers = int(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(1, int64_t(tasks.size()))));
-  std::vector<Scratch> scratch(size_t(workers));
+  const int workers =
+      int(std::min<int64_t>(std::max(threads, 1), std::max<int64_t>(1, int64_t(tasks.size()))));
+  std::vector<Scratch> scratch{size_t(workers)};
 
   parallel_for(int64_t(tasks.size()), workers, [&](int64_t ti, int worker) {
     const Task& t = tasks[size_t(ti)];
@@ -267,7 +269,6 @@ void merge_attn_f32(const float* prefix, const float* prefix_lse, const float* s
   for (int64_t t = 0; t < rows; ++t) {
     for (int h = 0; h < heads; ++h) {
       const int64_t i = t * heads + h;
-      const float* po = prefix + i * dim;
       const float* so = suffix + i * dim;
       float* o = out + i * dim;
       float s_lse = suffix_lse[i];
@@ -277,6 +278,7 @@ void merge_attn_f32(const float* prefix, const float* prefix_lse, const float* s
         if (out_lse) out_lse[i] = s_lse;
         continue;
       }
+      const float* po = prefix + i * dim;  // the prefix has only rows_with_prefix rows
       float p_lse = prefix_lse[i];
       // +-inf both mean "no keys" (some kernels report +inf for an empty row).
       if (std::isinf(p_lse)) p_lse = kNegInf;

@@ -1,10 +1,13 @@
 // OpenBLAS sgemm wrappers and the fp32 <-> bf16/f16/e4m3 conversions of the CPU backend.
 #include <cblas.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
+#include <mutex>
 
 #include "cpu/kernels.hpp"
+#include "cpu/parallel.hpp"
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
 
@@ -25,24 +28,52 @@ void scale_c(int64_t M, int64_t N, float* C, int64_t ldc, float beta) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
+// One sgemm in the calling thread. transb: B is [N, K] (C = A B^T) rather than [K, N].
+void sgemm(bool transb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+           const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) return scale_c(M, N, C, ldc, beta);
+  check_dims(M, N, K, lda, ldb, ldc);
+  static std::once_flag single_threaded;
+  std::call_once(single_threaded, [] { openblas_set_num_threads(1); });
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, transb ? CblasTrans : CblasNoTrans, int(M), int(N),
+              int(K), alpha, A, int(lda), B, int(ldb), beta, C, int(ldc));
+}
+
+// Splits C into slabs, one task each: by output columns when there are enough of them (each
+// worker then streams its own part of B, which is what a weight-bound small-M GEMM wants),
+// else by rows. Below ~1 M multiply-adds a single call is cheaper than the fork.
+void sgemm_split(bool transb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, float alpha, float beta,
+                 int threads) {
+  constexpr int64_t kMinSlab = 64;  // columns or rows: keeps each slab a real GEMM
+  const double work = double(M) * double(N) * double(K);
+  if (threads <= 1 || work < double(1 << 20))
+    return sgemm(transb, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta);
+  const bool by_cols = N >= kMinSlab * threads || N >= M;
+  const int64_t extent = by_cols ? N : M;
+  int64_t slab = (extent + threads - 1) / threads;
+  slab = std::max(kMinSlab, (slab + 15) / 16 * 16);
+  const int64_t slabs = (extent + slab - 1) / slab;
+  parallel_for(slabs, threads, [&](int64_t s, int) {
+    const int64_t a = s * slab, n = std::min(slab, extent - a);
+    if (by_cols)  // columns [a, a+n): rows a.. of B^T's source, or columns a.. of B
+      sgemm(transb, M, n, K, A, lda, transb ? B + a * ldb : B + a, ldb, C + a, ldc, alpha, beta);
+    else
+      sgemm(transb, n, N, K, A + a * lda, lda, B, ldb, C + a * ldc, ldc, alpha, beta);
+  });
+}
+
 }  // namespace
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, float alpha, float beta) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) return scale_c(M, N, C, ldc, beta);
-  check_dims(M, N, K, lda, ldb, ldc);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(M), int(N), int(K), alpha, A, int(lda),
-              B, int(ldb), beta, C, int(ldc));
+             int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads) {
+  sgemm_split(true, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, threads);
 }
 
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, float alpha, float beta) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) return scale_c(M, N, C, ldc, beta);
-  check_dims(M, N, K, lda, ldb, ldc);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(M), int(N), int(K), alpha, A,
-              int(lda), B, int(ldb), beta, C, int(ldc));
+             int64_t ldb, float* C, int64_t ldc, float alpha, float beta, int threads) {
+  sgemm_split(false, M, N, K, A, lda, B, ldb, C, ldc, alpha, beta, threads);
 }
 
 void load_f32(const void* src, DType dtype, int64_t n, float* dst, float e4m3_scale) {
@@ -92,9 +123,12 @@ void store_f32(const float* src, int64_t n, DType dtype, void* dst) {
 
 float round_value(float x, DType dtype) {
   switch (dtype) {
-    case DType::bf16: return round_bf16(x);
-    case DType::f16: return round_fp16(x);
-    default: return x;
+    case DType::bf16:
+      return round_bf16(x);
+    case DType::f16:
+      return round_fp16(x);
+    default:
+      return x;
   }
 }
 

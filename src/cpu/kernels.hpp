@@ -4,7 +4,9 @@
 // whose values are exactly representable in the activation dtype.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kmla/batch.hpp"
@@ -15,13 +17,31 @@
 
 namespace kmla::cpu {
 
+// An fp32 scratch buffer left uninitialised, for buffers every use overwrites in full: the
+// pages are then first touched by the (parallel) kernel that fills them instead of by a
+// serial zero fill, which costs as much as the elementwise work itself on large prefills.
+struct Scratch {
+  std::unique_ptr<float[]> ptr;
+  Scratch() = default;
+  explicit Scratch(int64_t n) : ptr(new float[size_t(std::max<int64_t>(n, 1))]) {}
+  float* data() const { return ptr.get(); }
+};
+
 // ---- GEMM (gemm.cpp): row-major OpenBLAS sgemm, fp32 accumulate ---------------------
+// The CPU backend owns its threads: OpenBLAS is switched to one thread (process-wide,
+// once, on the first GEMM) and every sgemm runs inside the calling thread. Left threaded,
+// OpenBLAS's pool spins against our workers whenever sgemm is called from them (measured:
+// decode attention 10x slower on 2 cores). Large GEMMs are instead split into slabs of
+// output columns (or rows) across `threads` of our own workers.
+//
 // C[M, N] = alpha * A[M, K] * B[N, K]^T + beta * C
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f);
+             int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f,
+             int threads = 1);
 // C[M, N] = alpha * A[M, K] * B[K, N] + beta * C
 void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f);
+             int64_t ldb, float* C, int64_t ldc, float alpha = 1.0f, float beta = 0.0f,
+             int threads = 1);
 
 // ---- conversions (gemm.cpp) -----------------------------------------------------------
 // Reads n values of type `dtype` (f32, bf16, f16, or e4m3 times `e4m3_scale`) as fp32.

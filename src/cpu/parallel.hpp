@@ -65,4 +65,14 @@ void parallel_for(int64_t n, int threads, Fn&& fn) {
   if (error) std::rethrow_exception(error);
 }
 
+// Runs fn(begin, end) over [0, n) in ranges of `grain` items (the last one shorter):
+// for cheap elementwise loops over rows, where one item per task would cost more in
+// hand-out than in work.
+template <class Fn>
+void parallel_ranges(int64_t n, int64_t grain, int threads, Fn&& fn) {
+  grain = std::max<int64_t>(grain, 1);
+  parallel_for((n + grain - 1) / grain, threads,
+               [&](int64_t task, int) { fn(task * grain, std::min(n, (task + 1) * grain)); });
+}
+
 }  // namespace kmla::cpu
