@@ -471,7 +471,8 @@ TEST(Oracle, SeedRoundingIsSlightlyOffExactAndFp16IsCloserThanBf16) {
 
 TEST(Oracle, PermutedBlockTablesGiveIdenticalOutputsAndPoisonDoesNotLeak) {
   const MlaConfig cfg = small_config(2, 32, /*gate=*/true);
-  const MlaWeights w = MlaWeights::random(cfg, 19);
+  MlaWeights w = MlaWeights::random(cfg, 19);
+  w.k_scale = 0.5f;  // matches the fp8 cache's scale below
   for (CacheFormat fmt : {CacheFormat::bf16, CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
     SCOPED_TRACE(cache_format_name(fmt));
     auto results = std::vector<Result>();
@@ -591,8 +592,9 @@ TEST(Oracle, PlainFp8DecodeScoresTheQuantizedAbsorbedQuery) {
 
 TEST(Oracle, ContextPrefillAttendsRoundedContextAndItsOwnUnquantizedLatents) {
   const MlaConfig cfg = small_config(2, 32, /*gate=*/false);
-  const MlaWeights w = MlaWeights::random(cfg, 22);
+  MlaWeights w = MlaWeights::random(cfg, 22);
   const float k_scale = 0.037f;  // dequantized context values are not bf16 values
+  w.k_scale = k_scale;
   LatentCache cache = LatentCache::allocate(CacheFormat::fp8, 4, 2, k_scale);
   const BatchMetadata md = plan_batch({{2, 2, {1}}}, cache.geometry());
   ASSERT_EQ(md.kind(0), RequestKind::context_prefill);

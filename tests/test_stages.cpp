@@ -756,9 +756,10 @@ SmokeBatch make_batch(const std::vector<RequestSpec>& reqs, const LatentCache& c
 void run_smoke(MlaConfig cfg, CacheFormat fmt, LayerOptions opts, uint64_t seed) {
   Rng rng(seed);
   const DType act = opts.activation;
-  MlaLayer layer(cfg, MlaWeights::random(cfg, seed, act), opts,
-                 cfg.use_rope ? RopeTable::build(cfg, 256) : nullptr);
-  LatentCache cache = LatentCache::allocate(fmt, 16, 8, 0.5f);
+  MlaWeights w = MlaWeights::random(cfg, seed, act);
+  w.k_scale = 0.5f;  // the fp8 cache below is scaled by the same k_scale
+  MlaLayer layer(cfg, w, opts, cfg.use_rope ? RopeTable::build(cfg, 256) : nullptr);
+  LatentCache cache = LatentCache::allocate(fmt, 16, 8, w.k_scale);
   const std::vector<int32_t> table_a{3, 0}, table_b{5, 1, 7}, table_c{2, 6};
   // Step 1: fresh prefills fill the context of requests A (5 tokens) and B (20 tokens).
   {

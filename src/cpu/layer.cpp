@@ -139,6 +139,9 @@ void MlaLayer::Impl::validate_call(const TensorView& positions, int64_t rows,
   KMLA_CHECK(md.num_rows == rows, "metadata has ", md.num_rows, " rows, hidden_states has ", rows);
   cpu::validate_metadata(md, cache);
   cpu::validate_slots(md.slot_mapping.data(), md.num_tokens, cache);
+  KMLA_CHECK(cache.format() != CacheFormat::fp8 || cache.k_scale() == weights.k_scale, "the fp8 cache's k_scale ",
+             cache.k_scale(), " differs from the layer's k_scale ", weights.k_scale,
+             " (set both from the checkpoint's k_scale)");
   if (!md.causal_decode)
     KMLA_CHECK(cfg.non_causal_multi_token_decode,
                "metadata asks for non-causal multi-token decode "

@@ -239,6 +239,8 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
   KMLA_CHECK(cache.device() == Device::cpu && cache.base() != nullptr,
              "the oracle needs an allocated host cache");
   validate_metadata(*md, cache, rows);
+  KMLA_CHECK(cache.format() != CacheFormat::fp8 || cache.k_scale() == w.k_scale, "the fp8 cache's k_scale ",
+             cache.k_scale(), " differs from the layer's k_scale ", w.k_scale);
   const int64_t T = md->num_tokens;
   const auto* pos = positions.as<const int64_t>();
   if (cfg.use_rope) {  // padding rows' positions are never used, so not checked
