@@ -23,7 +23,10 @@ struct LayerOptions {
   bool partial_output = false;
   // Sums `out` across tensor-parallel ranks in place (tp_size > 1 only).
   std::function<void(const TensorView& out)> all_reduce;
-  int num_threads = 0;  // CPU backend: 0 = all hardware threads
+  // CPU backend: worker threads, 0 = all hardware threads. The backend parallelises its
+  // GEMMs itself, so it sets OpenBLAS to one thread, once, for the whole process (its own
+  // pool competing with ours was ~10x slower); other OpenBLAS users in the process see that.
+  int num_threads = 0;
 };
 
 class MlaLayer {
