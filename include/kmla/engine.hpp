@@ -1,0 +1,155 @@
+// The serving engine behind `kmla run`: a request trace served through a stack of MLA
+// layers with a paged, prefix-cached latent cache, continuous batching under a token budget,
+// chunked prefill, optional speculative blocks and preemption by recompute.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kmla/cache.hpp"
+#include "kmla/config.hpp"
+
+namespace kmla::engine {
+
+// ---- workloads ---------------------------------------------------------------------
+struct TraceRequest {
+  int64_t id = 0;
+  double arrival_s = 0;             // seconds after the start of the run
+  std::vector<int32_t> prompt;      // token ids (prefix caching hashes them)
+  int32_t output_len = 1;           // tokens to generate
+};
+
+struct Trace {
+  std::vector<TraceRequest> requests;  // sorted by arrival
+};
+
+struct TraceOptions {
+  int num_requests = 24;
+  double arrival_rate = 0;        // requests per second (Poisson); 0 = all arrive at once
+  int prompt_len_mean = 320;      // log-normal-ish prompt lengths, clamped to [min, max]
+  int prompt_len_min = 16;
+  int prompt_len_max = 1024;
+  int output_len_mean = 32;
+  int output_len_min = 4;
+  int output_len_max = 96;
+  double shared_prefix_fraction = 0.5;  // requests that start with one of a few shared prefixes
+  int num_prefix_groups = 3;
+  int prefix_len = 192;                 // tokens of each shared prefix (a "system prompt")
+  int vocab_size = 32000;
+  uint64_t seed = 1;
+};
+
+// The built-in default trace: realistic length distributions with shared prefixes.
+Trace default_trace(const TraceOptions& options);
+// JSON lines, one request each: {"prompt_len": N} or {"prompt": [ids...]}, optional
+// "output_len" (default 16), "arrival_s" (default 0), "prefix_group" (requests of one group
+// share their first "prefix_len" tokens), "id". Errors name the file and line.
+Trace load_trace_jsonl(const std::string& path, int vocab_size = 32000, uint64_t seed = 1);
+
+// ---- the engine ----------------------------------------------------------------------
+struct EngineOptions {
+  MlaConfig config;                 // one rank's layer (e.g. kimi-k3 at its TP-8 slice)
+  int num_layers = 2;               // MLA layers in the stack, each with its own weights/cache
+  CacheFormat cache_format = CacheFormat::bf16;
+  int block_size = 16;
+  int64_t num_blocks = 0;           // 0: enough for the trace's longest requests (see engine.cpp)
+  int64_t token_budget = 512;       // tokens per step (decodes first, then prefill chunks)
+  int max_num_seqs = 32;            // running requests at most
+  bool prefix_caching = true;
+  int spec_tokens = 0;              // >0: each decode step verifies this many draft tokens causally
+                                    // (or, for a non-causal draft layer, runs a non-causal block)
+  double spec_accept_rate = 0.7;    // deterministic pseudo-random acceptance per draft token
+  int64_t workspace_tokens = 4096;  // context chunk workspace
+  uint64_t seed = 1;
+  int num_threads = 0;              // CPU backend threads (0 = all)
+  int check_requests = 2;           // requests recomputed by the fp64 oracle after the run
+};
+
+struct StepRecord {
+  double start_s = 0;      // since the run started
+  double duration_s = 0;
+  int decode_requests = 0;
+  int64_t decode_tokens = 0;
+  int prefill_requests = 0;
+  int64_t prefill_tokens = 0;
+  int running = 0;         // requests holding cache blocks after the step
+  int waiting = 0;
+  int64_t blocks_used = 0;     // referenced blocks
+  int64_t blocks_cached = 0;   // unreferenced blocks kept for prefix reuse
+  int preempted = 0;           // requests preempted in this step
+};
+
+struct RequestRecord {
+  int64_t id = 0;
+  int32_t prompt_len = 0;
+  int32_t output_len = 0;
+  double arrival_s = 0;
+  double first_token_s = -1;  // when the first generated token was produced
+  double finish_s = -1;
+  int preemptions = 0;
+  int64_t prefix_hit_tokens = 0;   // prompt tokens served from the prefix cache
+  int64_t computed_tokens = 0;     // tokens this request ran through the layers (recompute included)
+};
+
+struct CheckResult {
+  int64_t request_id = 0;
+  int64_t tokens = 0;
+  double max_ref = 0;
+  double max_err = 0;
+  double rel_err = 0;      // max_err / max_ref over the request's final hidden states
+  double bound = 0;        // fixed in the code before the run, per cache format
+  bool pass = false;
+};
+
+struct RunResult {
+  EngineOptions options;
+  std::string model;       // preset / config name
+  double wall_s = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t prefill_tokens_computed = 0;
+  int64_t decode_tokens_computed = 0;
+  int64_t prefix_hit_tokens = 0;
+  int preemptions = 0;
+  int64_t total_blocks = 0;
+  int64_t peak_blocks = 0;
+  int64_t peak_cache_bytes = 0;   // over all layers
+  std::vector<StepRecord> steps;
+  std::vector<RequestRecord> requests;
+  std::vector<CheckResult> checks;
+  bool all_finished = false;
+};
+
+struct Progress {
+  int finished = 0;
+  int total = 0;
+  int64_t step = 0;
+  const StepRecord* last = nullptr;
+};
+
+class Engine {
+ public:
+  explicit Engine(EngineOptions options);
+  ~Engine();
+  Engine(Engine&&) noexcept;
+  Engine& operator=(Engine&&) noexcept;
+  // Serves the trace to completion. on_step is called after every step (progress display).
+  RunResult run(const Trace& trace, const std::function<void(const Progress&)>& on_step = {});
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- what the user sees (src/engine/report.cpp) ---------------------------------------
+std::string summary_text(const RunResult& r);
+std::string to_json(const RunResult& r);         // the whole result, machine-readable
+std::string html_report(const RunResult& r);      // self-contained page with SVG charts
+// A progress line ("[=====>    ] 12/24 requests, step 40, 1234 tok/s") for a terminal.
+std::string progress_line(const Progress& p, double elapsed_s, int width = 40);
+
+}  // namespace kmla::engine
