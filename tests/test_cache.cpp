@@ -16,6 +16,7 @@
 #include "kmla/cache.hpp"
 #include "kmla/config.hpp"
 #include "kmla/error.hpp"
+#include "test_util.hpp"
 #include "kmla/numeric.hpp"
 
 using namespace kmla;
@@ -54,17 +55,8 @@ RowCodec codec(CacheFormat f, float k_scale = 1.0f, TileScaleRule r = TileScaleR
   return c;
 }
 
-// Message check: every error must name the offending value.
-template <class F>
-void expect_error_naming(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected kmla::Error naming '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not name '" << needle << "'";
-  }
-}
+// Every error must name the offending value.
+using kmla::testing_util::expect_error_naming;
 
 // `n` bytes that end exactly at an inaccessible page, so reading one byte past the end
 // faults even without AddressSanitizer.
@@ -113,9 +105,9 @@ TEST(CacheFormat, Parse) {
   EXPECT_EQ(parse_cache_format("fp8_ds_mla"), CacheFormat::fp8_ds_mla);
   EXPECT_EQ(parse_cache_format("auto", DType::bf16), CacheFormat::bf16);
   EXPECT_EQ(parse_cache_format("auto", DType::f16), CacheFormat::fp16);
-  expect_error_naming([] { parse_cache_format("auto", DType::f32); }, "f32");
-  expect_error_naming([] { parse_cache_format("fp4_nvfp4"); }, "fp4_nvfp4");
-  expect_error_naming([] { parse_cache_format(""); }, "''");
+  expect_error_naming([] { parse_cache_format("auto", DType::f32); }, {"f32"});
+  expect_error_naming([] { parse_cache_format("fp4_nvfp4"); }, {"fp4_nvfp4"});
+  expect_error_naming([] { parse_cache_format(""); }, {"''"});
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp16, CacheFormat::fp8, CacheFormat::fp8_ds_mla})
     EXPECT_EQ(parse_cache_format(cache_format_name(f)), f);
 }
@@ -488,14 +480,14 @@ TEST(LatentCache, AllocateDense) {
 TEST(LatentCache, BlockSizeLimits) {
   EXPECT_NO_THROW(LatentCache::allocate(CacheFormat::bf16, 1, 2));
   EXPECT_NO_THROW(LatentCache::allocate(CacheFormat::fp8, 1024, 2));
-  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 0, 2); }, "got 0");
-  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 1025, 2); }, "1025");
-  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 64, 0); }, "got 0");
+  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 0, 2); }, {"got 0"});
+  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 1025, 2); }, {"1025"});
+  expect_error_naming([] { LatentCache::allocate(CacheFormat::bf16, 64, 0); }, {"got 0"});
   std::vector<uint8_t> mem(4096);
   expect_error_naming([&] { LatentCache::borrow(mem.data(), Device::cpu, CacheFormat::fp8, 4, 1, 2303); },
-                      "2303");
+                      {"2303"});
   expect_error_naming([] { LatentCache::borrow(nullptr, Device::cpu, CacheFormat::fp8, 4, 1, 4096); },
-                      "null");
+                      {"null"});
 }
 
 TEST(LatentCache, BorrowedMemoryWithGaps) {
@@ -543,8 +535,8 @@ TEST(LatentCache, SlotRangeErrors) {
   const LatentCache c = LatentCache::allocate(CacheFormat::fp8, 8, 2);
   EXPECT_NO_THROW(c.slot_ptr(0));
   EXPECT_NO_THROW(c.slot_ptr(15));
-  expect_error_naming([&] { c.slot_ptr(16); }, "slot 16");
-  expect_error_naming([&] { c.slot_ptr(-1); }, "slot -1");
+  expect_error_naming([&] { c.slot_ptr(16); }, {"slot 16"});
+  expect_error_naming([&] { c.slot_ptr(-1); }, {"slot -1"});
   // Device memory cannot be addressed from the host.
   std::vector<uint8_t> mem(8 * 576);
   const LatentCache d = LatentCache::borrow(mem.data(), Device::cuda, CacheFormat::fp8, 8, 1, 8 * 576);
@@ -578,8 +570,8 @@ TEST(LatentCache, CodecSettingsReachTheRows) {
   EXPECT_EQ(uint8_t(f8.slot_ptr(1)[0]), 0x48);  // 4.0
   f8.read_row(1, r.data());
   EXPECT_EQ(r[0], 1.0f);
-  expect_error_naming([&] { f8.set_k_scale(0.0f); }, "0");
-  expect_error_naming([&] { f8.set_k_scale(-1.0f); }, "-1");
+  expect_error_naming([&] { f8.set_k_scale(0.0f); }, {"0"});
+  expect_error_naming([&] { f8.set_k_scale(-1.0f); }, {"-1"});
   EXPECT_THROW(f8.set_k_scale(kInf), Error);
   EXPECT_THROW(f8.set_k_scale(kNaN), Error);
   EXPECT_THROW(LatentCache::allocate(CacheFormat::fp8, 4, 1, 0.0f), Error);

@@ -8,22 +8,13 @@
 
 #include "kmla/config.hpp"
 #include "kmla/error.hpp"
+#include "test_util.hpp"
 
 using namespace kmla;
 
 namespace {
 
-template <class F>
-void expect_error_naming(F&& f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a kmla::Error";
-  } catch (const Error& e) {
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "message '" << e.what() << "' does not name '" << n << "'";
-  }
-}
+using kmla::testing_util::expect_error_naming;
 
 std::string six_digits(double v) {
   char buf[32];

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kmla/error.hpp"
+#include "test_util.hpp"
 #include "kmla/numeric.hpp"
 #include "kmla/weights.hpp"
 
@@ -15,17 +16,7 @@ using namespace kmla;
 
 namespace {
 
-template <class F>
-void expect_error_naming(F&& f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a kmla::Error";
-  } catch (const Error& e) {
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "message '" << e.what() << "' does not name '" << n << "'";
-  }
-}
+using kmla::testing_util::expect_error_naming;
 
 // Small stand-ins for the real geometries (the real ones take seconds to fill under ASan).
 MlaConfig lora_gate_config() {  // Kimi-K3-like: q-LoRA + output gate
