@@ -88,6 +88,12 @@ TEST(HfConfig, BadConfigsNameTheProblem) {
   EXPECT_NE(message(R"({"hidden_size": "wide", "num_attention_heads": 8})").find("wrong type"), std::string::npos);
   EXPECT_NE(message(R"({"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4,
     "linear_attn_config": {"full_attn_layers": [0]}})").find("1-based"), std::string::npos);
+  EXPECT_NE(message(R"({"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4,
+    "linear_attn_config": {"full_attn_layers": [2, 2]}})").find("twice"), std::string::npos);
+  EXPECT_NE(message(R"({"model_type": 5, "hidden_size": 64, "num_attention_heads": 8})").find("wrong type"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"hidden_size": 4294967552, "num_attention_heads": 8})").find("4294967552"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -65,6 +65,15 @@ TEST(Safetensors, RejectsMalformedFiles) {
   EXPECT_NE(error_of(write_file(R"({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}})", 1, "dtype"))
                 .find("Q4"),
             std::string::npos);
+  // Sizes that would wrap (numel * dtype size) or turn negative as int64 (found by fuzzing).
+  EXPECT_NE(error_of(write_file(R"({"a": {"dtype": "F64", "shape": [2305843009213693952], "data_offsets": [0, 0]}})",
+                                0, "wrap"))
+                .find("too large"),
+            std::string::npos);
+  EXPECT_NE(error_of(write_file(R"({"a": {"dtype": "U8", "shape": [0, 18446744073709551615], "data_offsets": [0, 0]}})",
+                                0, "neg"))
+                .find("too large"),
+            std::string::npos);
   const std::string path = ::testing::TempDir() + "/kmla_short.safetensors";
   std::ofstream(path, std::ios::binary) << "abc";
   EXPECT_NE(error_of(path).find("too short"), std::string::npos);

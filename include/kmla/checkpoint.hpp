@@ -71,8 +71,9 @@ MlaWeights load_layer_weights(const Checkpoint& ck, int layer, const MlaConfig& 
 // mis-shaped tensors and unsupported dtypes, one message each (empty when the layer is fine).
 std::vector<std::string> check_layer_tensors(const Checkpoint& ck, int layer, const MlaConfig& cfg);
 
-// Layer indices that have attention tensors in the checkpoint but are not MLA layers of the
-// model (e.g. DeepSeek-V3's multi-token-prediction layer 61).
+// Layer indices that hold MLA attention tensors (kv_a_proj_with_mqa) in the checkpoint but are
+// not MLA layers of the model (e.g. DeepSeek-V3's multi-token-prediction layer 61). Kimi's KDA
+// layers, whose self_attn tensors are of another kind, are not listed.
 std::vector<int> extra_attention_layers(const Checkpoint& ck);
 
 }  // namespace kmla

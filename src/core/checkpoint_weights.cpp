@@ -143,7 +143,11 @@ std::vector<int> extra_attention_layers(const Checkpoint& ck) {
     if (at == std::string::npos || (at != 0 && name.compare(0, at, "language_model.") != 0)) continue;
     at += key.size();
     const size_t dot = name.find('.', at);
-    if (dot == std::string::npos || name.compare(dot, 11, ".self_attn.") != 0) continue;
+    // Only layers with an MLA projection count: Kimi's KDA layers keep other tensors under
+    // self_attn (A_log, dt_bias, ...) and are not attention layers of this kind.
+    if (dot == std::string::npos || name.compare(dot, 11, ".self_attn.") != 0 ||
+        name.find(".self_attn.kv_a_proj_with_mqa.") == std::string::npos)
+      continue;
     const int layer = std::atoi(name.substr(at, dot - at).c_str());
     if (std::find(mla.begin(), mla.end(), layer) == mla.end() &&
         std::find(extra.begin(), extra.end(), layer) == extra.end())

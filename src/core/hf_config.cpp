@@ -1,5 +1,6 @@
 #include "kmla/hf_config.hpp"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -43,6 +44,13 @@ void read_rope(const json& t, MlaConfig& c, double default_theta) {
   c.rope.extrapolation_factor = get_or<double>(p, "extrapolation_factor", 1.0);
 }
 
+// A positive int field read through int64, so 2^32 + 256 is an error rather than 256.
+int int_field(const json& t, const char* key, const std::string& source) {
+  const int64_t v = t[key].get<int64_t>();
+  KMLA_CHECK(v > 0 && v <= (int64_t(1) << 30), source, ": ", key, " = ", v, " is out of range");
+  return int(v);
+}
+
 }  // namespace
 
 HfModelConfig parse_hf_config(const std::string& text, const std::string& source) {
@@ -54,16 +62,16 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& source
   }
   KMLA_CHECK(root.is_object(), source, ": top level is not a JSON object");
   HfModelConfig out;
-  out.model_type = get_or<std::string>(root, "model_type", "");
   // Multimodal wrappers (Kimi-K3) nest the language model in text_config.
   const json& t = root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
   try {
+    out.model_type = get_or<std::string>(root, "model_type", "");
     MlaConfig& c = out.mla;
     c.name = out.model_type.empty() ? get_or<std::string>(t, "model_type", "hf") : out.model_type;
     KMLA_CHECK(t.contains("hidden_size"), source, ": missing hidden_size");
     KMLA_CHECK(t.contains("num_attention_heads"), source, ": missing num_attention_heads");
-    c.hidden_size = t["hidden_size"].get<int>();
-    c.num_heads = t["num_attention_heads"].get<int>();
+    c.hidden_size = int_field(t, "hidden_size", source);
+    c.num_heads = int_field(t, "num_attention_heads", source);
     if (t.contains("q_lora_rank") && !t["q_lora_rank"].is_null()) c.q_lora_rank = t["q_lora_rank"].get<int>();
     else c.q_lora_rank.reset();
     c.kv_lora_rank = get_or<int>(t, "kv_lora_rank", kKvLoraRank);
@@ -88,6 +96,8 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& source
       for (int l : full) {
         KMLA_CHECK(l >= 1 && l <= out.num_hidden_layers, source, ": full_attn_layers entry ", l,
                    " is outside 1..", out.num_hidden_layers, " (the list is 1-based)");
+        KMLA_CHECK(std::find(out.mla_layers.begin(), out.mla_layers.end(), l - 1) == out.mla_layers.end(), source,
+                   ": full_attn_layers lists layer ", l, " twice");
         out.mla_layers.push_back(l - 1);
       }
     } else {

@@ -110,7 +110,10 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     for (const auto& s : v["shape"]) {
       KMLA_CHECK(s.is_number_unsigned(), path, ": tensor '", name, "' has a bad dimension ", s.dump());
       const uint64_t dim = s.get<uint64_t>();
-      KMLA_CHECK(dim == 0 || numel <= (uint64_t(1) << 62) / dim, path, ": tensor '", name, "' is too large");
+      // Bound every dimension and the byte count (numel * dtype size) by 2^62, so neither can
+      // wrap or turn negative as int64.
+      KMLA_CHECK(dim <= (uint64_t(1) << 62) && (dim == 0 || numel <= ((uint64_t(1) << 62) / d->size) / dim), path,
+                 ": tensor '", name, "' is too large (dimension ", dim, ")");
       numel *= dim;
       t.shape.push_back(int64_t(dim));
     }
