@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "kmla/config.hpp"
 #include "kmla/tensor.hpp"
@@ -70,6 +71,13 @@ struct MlaWeights {
   // The slice of these (full, tp_size == 1) weights that rank `rank` of `world` holds:
   // rows of q_b/q_proj, kv_b and g_proj and columns of o_proj, by heads.
   MlaWeights tp_slice(const MlaConfig& full, int rank, int world) const;
+
+  // A copy in which the named 16-bit projections (names as in `fp8`) are fp8 block weights,
+  // as an fp8 checkpoint would hold them: per 128x128 block, scale = amax / 448 of the block
+  // in fp32 (1 for an all-zero block) and code = e4m3_sat(w / scale); the 16-bit tensor is
+  // replaced by the dequantized copy. Blocks start at this tensor's row and column 0. Throws
+  // for a name that is not a projection, is absent or is already fp8.
+  MlaWeights to_fp8_blocks(const std::vector<std::string>& names) const;
 };
 
 // kv_b_proj [H*256, 512] split for the absorbed decode path (exact copies):

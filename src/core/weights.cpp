@@ -1,7 +1,9 @@
 #include "kmla/weights.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
@@ -52,6 +54,20 @@ HostTensor random_norm(Random& g, int64_t n, DType t) {
   return m;
 }
 
+
+// The projections an fp8 checkpoint may quantize, by their names in MlaWeights::fp8.
+HostTensor MlaWeights::*projection_field(const std::string& name) {
+  static const std::pair<const char*, HostTensor MlaWeights::*> kProjections[] = {
+      {"q_a_proj", &MlaWeights::q_a_proj},   {"q_b_proj", &MlaWeights::q_b_proj},
+      {"q_proj", &MlaWeights::q_proj},       {"kv_a_proj_with_mqa", &MlaWeights::kv_a_proj_with_mqa},
+      {"kv_b_proj", &MlaWeights::kv_b_proj}, {"g_proj", &MlaWeights::g_proj},
+      {"o_proj", &MlaWeights::o_proj}};
+  for (const auto& [n, field] : kProjections)
+    if (name == n) return field;
+  return nullptr;
+}
+
+float act_value(uint16_t x, DType t) { return t == DType::bf16 ? bf16_to_float(x) : fp16_to_float(x); }
 
 // Rows [r0, r0 + n) of a 2-D tensor.
 HostTensor slice_rows(const HostTensor& t, int64_t r0, int64_t n) {
@@ -196,6 +212,42 @@ MlaWeights MlaWeights::tp_slice(const MlaConfig& full, int rank, int world) cons
     else if (name == "kv_b_proj") f = f.slice_rows(h0 * kKvBOut, H * kKvBOut);
     else if (name == "g_proj") f = f.slice_rows(h0 * kVDim, H * kVDim);
     else if (name == "o_proj") f = f.slice_cols(h0 * kVDim, H * kVDim);
+  }
+  return w;
+}
+
+MlaWeights MlaWeights::to_fp8_blocks(const std::vector<std::string>& names) const {
+  constexpr int64_t B = Fp8BlockWeight::kBlock;
+  MlaWeights w = *this;  // tensors are shared; converted ones are replaced, never modified
+  for (const std::string& name : names) {
+    HostTensor MlaWeights::*field = projection_field(name);
+    KMLA_CHECK(field != nullptr, "to_fp8_blocks: '", name,
+               "' is not a projection (q_a_proj, q_b_proj, q_proj, kv_a_proj_with_mqa, kv_b_proj, g_proj, o_proj)");
+    const HostTensor& t = w.*field;
+    KMLA_CHECK(!t.empty(), "to_fp8_blocks: weight ", name, " is absent");
+    KMLA_CHECK(w.fp8.count(name) == 0, "to_fp8_blocks: weight ", name, " is already fp8");
+    KMLA_CHECK((t.dtype() == DType::bf16 || t.dtype() == DType::f16) && t.view().ndim == 2, "to_fp8_blocks: weight ",
+               name, " must be a 2-D bf16 or f16 tensor, got ", dtype_name(t.dtype()), " ", t.view().shape_str());
+    const int64_t rows = t.dim(0), cols = t.dim(1);
+    Fp8BlockWeight f;
+    f.codes = HostTensor(DType::e4m3, {rows, cols});
+    f.scale_inv = HostTensor(DType::f32, {(rows + B - 1) / B, (cols + B - 1) / B});
+    const auto* src = t.data<uint16_t>();
+    auto* codes = f.codes.data<uint8_t>();
+    for (int64_t r0 = 0; r0 < rows; r0 += B)
+      for (int64_t c0 = 0; c0 < cols; c0 += B) {
+        const int64_t r1 = std::min(rows, r0 + B), c1 = std::min(cols, c0 + B);
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c) amax = std::fmax(amax, std::fabs(act_value(src[r * cols + c], t.dtype())));
+        const float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
+        f.scale_inv.data<float>()[(r0 / B) * f.scale_inv.dim(1) + c0 / B] = scale;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t c = c0; c < c1; ++c)
+            codes[r * cols + c] = float_to_e4m3_sat(act_value(src[r * cols + c], t.dtype()) / scale);
+      }
+    w.*field = f.dequantize(t.dtype());
+    w.fp8[name] = std::move(f);
   }
   return w;
 }

@@ -149,4 +149,20 @@ std::vector<float> weight_f32(const HostTensor& w) {
   return out;
 }
 
+std::vector<float> fp8_weight_f32(const Fp8BlockWeight& w) {
+  const int64_t rows = w.codes.dim(0), cols = w.codes.dim(1);
+  std::vector<float> out(size_t(rows * cols));
+  const auto* c = w.codes.data<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < cols; ++k) out[size_t(r * cols + k)] = e4m3_to_float(c[r * cols + k]) * w.scale(r, k);
+  return out;
+}
+
+void quantize_rows_fp8(const float* x, int64_t rows, int64_t stride, int64_t n, float* out, int threads) {
+  constexpr int64_t kRowsPerTask = 16;
+  parallel_ranges(rows, kRowsPerTask, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_activation_fp8(x + r * stride, n, out + r * n);
+  });
+}
+
 }  // namespace kmla::cpu

@@ -14,6 +14,7 @@
 #include "kmla/config.hpp"
 #include "kmla/rope.hpp"
 #include "kmla/tensor.hpp"
+#include "kmla/weights.hpp"
 
 namespace kmla::cpu {
 
@@ -55,6 +56,11 @@ float round_value(float x, DType dtype);
 void e4m3_roundtrip(float* x, int64_t n);
 // A 16-bit weight tensor as a dense fp32 copy (bf16/f16 values are exact in fp32).
 std::vector<float> weight_f32(const HostTensor& w);
+// An fp8 block weight as a dense fp32 copy: float(code) * scale, one fp32 product each.
+std::vector<float> fp8_weight_f32(const Fp8BlockWeight& w);
+// The W8A8 activation quantization (quantize_activation_fp8, per 128 inputs) of `rows`
+// rows of n values at row stride `stride`, into a dense [rows, n] buffer.
+void quantize_rows_fp8(const float* x, int64_t rows, int64_t stride, int64_t n, float* out, int threads);
 
 // ---- attention (attention.cpp) -------------------------------------------------------
 // Absorbed MQA over the paged latent cache for the decode rows of md.

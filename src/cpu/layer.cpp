@@ -5,6 +5,12 @@
 // Buffers: every intermediate is a per-call std::vector<float> holding values already
 // rounded to act where the semantics round; nothing is cached between calls, so forward()
 // is const and may run concurrently on one layer.
+//
+// fp8 block-quantized projections (MlaWeights::fp8) run as W8A8: their fp32 weight is
+// dequantized once here (float(code) * scale), and each GEMM input row is quantized per 128
+// inputs (quantize_activation_fp8) right before the sgemm. The absorbed decode weights come
+// from the 16-bit kv_b_proj, which for an fp8 kv_b is its bf16 dequantized copy: decode runs
+// them without activation quantization, while the prefill kv_b GEMMs are W8A8.
 #include "kmla/layer.hpp"
 
 #include <algorithm>
@@ -32,6 +38,13 @@ constexpr int64_t kRowGrain = 16;
 int head_group(int64_t tokens, int heads) {
   const int64_t per_head = std::max<int64_t>(1, tokens) * (kKvBOut + kQkHeadDim);
   return int(std::clamp<int64_t>(kPrefillKvBudgetFloats / per_head, 1, heads));
+}
+
+// The fp32 weight of projection `name`: float(code) * scale when it is fp8, else the 16-bit
+// tensor's values.
+std::vector<float> projection_f32(const MlaWeights& w, const char* name, const HostTensor& t) {
+  const auto it = w.fp8.find(name);
+  return it == w.fp8.end() ? cpu::weight_f32(t) : cpu::fp8_weight_f32(it->second);
 }
 
 // RMSNorm in fp32: x * (1 / sqrt(mean(x^2) + eps)) * w, one rounding to act.
@@ -70,6 +83,9 @@ struct MlaLayer::Impl {
   std::vector<float> w_uv;     // [H, 512, 128]
   std::vector<float> w_g;      // [H*128, hidden] (gate only)
   std::vector<float> w_o;      // [hidden, H*128]
+  // Which projections are W8A8 (fp8 block weights: the input rows are quantized).
+  bool fp8_q_first = false;  // q_a_proj or q_proj (the first part of w_front)
+  bool fp8_kv_a = false, fp8_q_b = false, fp8_kv_b = false, fp8_g = false, fp8_o = false;
 
   Impl(const MlaConfig& c, MlaWeights w, LayerOptions o, std::shared_ptr<const RopeTable> r);
   void forward(const TensorView& positions, const TensorView& hidden, const BatchMetadata* md,
@@ -112,25 +128,31 @@ MlaLayer::Impl::Impl(const MlaConfig& c, MlaWeights w, LayerOptions o,
   threads = cpu::resolve_threads(options.num_threads);
   q_width = int64_t(heads) * kQkHeadDim;
   attn_width = int64_t(heads) * kVDim;
-  const int64_t hidden = cfg.hidden_size;
+  const char* q_first_name = cfg.q_lora_rank ? "q_a_proj" : "q_proj";
   const HostTensor& q_first = cfg.q_lora_rank ? weights.q_a_proj : weights.q_proj;
+  auto is_fp8 = [&](const char* name) { return weights.fp8.count(name) != 0; };
+  fp8_q_first = is_fp8(q_first_name);
+  fp8_kv_a = is_fp8("kv_a_proj_with_mqa");
+  fp8_q_b = is_fp8("q_b_proj");
+  fp8_kv_b = is_fp8("kv_b_proj");
+  fp8_g = is_fp8("g_proj");
+  fp8_o = is_fp8("o_proj");
   kv_offset = q_first.dim(0);
   front_width = kv_offset + kLatentDim;
-  w_front.resize(size_t(front_width * hidden));
-  cpu::load_f32(q_first.data<void>(), act, kv_offset * hidden, w_front.data());
-  cpu::load_f32(weights.kv_a_proj_with_mqa.data<void>(), act, kLatentDim * hidden,
-                w_front.data() + kv_offset * hidden);
+  w_front = projection_f32(weights, q_first_name, q_first);
+  const std::vector<float> kv_a = projection_f32(weights, "kv_a_proj_with_mqa", weights.kv_a_proj_with_mqa);
+  w_front.insert(w_front.end(), kv_a.begin(), kv_a.end());
   if (cfg.q_lora_rank) {
-    w_q_b = cpu::weight_f32(weights.q_b_proj);
+    w_q_b = projection_f32(weights, "q_b_proj", weights.q_b_proj);
     q_norm = cpu::weight_f32(weights.q_a_layernorm);
   }
   kv_norm = cpu::weight_f32(weights.kv_a_layernorm);
-  w_kv_b = cpu::weight_f32(weights.kv_b_proj);
-  const AbsorbedWeights absorbed = absorb_kv_b(weights.kv_b_proj, heads);
+  w_kv_b = projection_f32(weights, "kv_b_proj", weights.kv_b_proj);
+  const AbsorbedWeights absorbed = absorb_kv_b(weights.kv_b_proj, heads);  // 16-bit (copy)
   w_uk_t = cpu::weight_f32(absorbed.w_uk_t);
   w_uv = cpu::weight_f32(absorbed.w_uv);
-  if (cfg.use_output_gate) w_g = cpu::weight_f32(weights.g_proj);
-  w_o = cpu::weight_f32(weights.o_proj);
+  if (cfg.use_output_gate) w_g = projection_f32(weights, "g_proj", weights.g_proj);
+  w_o = projection_f32(weights, "o_proj", weights.o_proj);
 }
 
 void MlaLayer::Impl::validate_call(const TensorView& positions, int64_t rows,
@@ -167,6 +189,13 @@ void MlaLayer::Impl::prefill_heads(const float* qp, int64_t num_keys, const floa
   const DType act = options.activation;
   const bool fp8 = options.fp8_prefill;
   const int64_t Tk = num_keys;
+  cpu::Scratch latent8;  // W8A8 kv_b: the latents quantized per 128
+  if (fp8_kv_b) {
+    latent8 = cpu::Scratch(Tk * kKvLoraRank);
+    cpu::quantize_rows_fp8(latent, Tk, latent_stride, kKvLoraRank, latent8.data(), threads);
+    latent = latent8.data();
+    latent_stride = kKvLoraRank;
+  }
   const int group = head_group(Tk, heads);
   const cpu::Scratch kv(Tk * group * kKvBOut), k(Tk * group * kQkHeadDim);
   for (int h0 = 0; h0 < heads; h0 += group) {
@@ -246,9 +275,26 @@ void MlaLayer::Impl::forward(const TensorView& positions, const TensorView& hidd
     cpu::load_f32(static_cast<const std::byte*>(hidden.data) + t0 * hs * act_size, act,
                   (t1 - t0) * hs, x.data() + t0 * hs);
   });
+  cpu::Scratch x8;  // the hidden states quantized per 128, for W8A8 projections of hidden
+  if (fp8_q_first || fp8_kv_a || fp8_g) {
+    x8 = cpu::Scratch(T * hs);
+    cpu::quantize_rows_fp8(x.data(), T, hs, hs, x8.data(), threads);
+  }
   const cpu::Scratch front(T * front_width);  // [q_c or q | kv_c | k_pe]
-  cpu::gemm_nt(T, front_width, hs, x.data(), hs, w_front.data(), hs, front.data(), front_width,
-               1.0f, 0.0f, threads);
+  {
+    // One GEMM when both parts take the same input; a mixed front end is two.
+    const float* q_in = fp8_q_first ? x8.data() : x.data();
+    const float* kv_in = fp8_kv_a ? x8.data() : x.data();
+    if (q_in == kv_in) {
+      cpu::gemm_nt(T, front_width, hs, q_in, hs, w_front.data(), hs, front.data(), front_width,
+                   1.0f, 0.0f, threads);
+    } else {
+      cpu::gemm_nt(T, kv_offset, hs, q_in, hs, w_front.data(), hs, front.data(), front_width, 1.0f,
+                   0.0f, threads);
+      cpu::gemm_nt(T, kLatentDim, hs, kv_in, hs, w_front.data() + kv_offset * hs, hs,
+                   front.data() + kv_offset, front_width, 1.0f, 0.0f, threads);
+    }
+  }
   const float eps = float(cfg.rms_norm_eps);
   float* kv_c = front.data() + kv_offset;  // [T, 512] at stride front_width, normed below
   float* k_pe = kv_c + kKvLoraRank;        // [T, 64] at stride front_width, un-rotated
@@ -266,8 +312,17 @@ void MlaLayer::Impl::forward(const TensorView& positions, const TensorView& hidd
   if (cfg.q_lora_rank) {
     const int64_t ql = *cfg.q_lora_rank;
     q_lora_out = cpu::Scratch(T * q_width);
-    cpu::gemm_nt(T, q_width, ql, front.data(), front_width, w_q_b.data(), ql, q_lora_out.data(),
-                 q_width, 1.0f, 0.0f, threads);
+    const float* q_c = front.data();
+    int64_t q_c_stride = front_width;
+    cpu::Scratch q_c8;
+    if (fp8_q_b) {
+      q_c8 = cpu::Scratch(T * ql);
+      cpu::quantize_rows_fp8(q_c, T, q_c_stride, ql, q_c8.data(), threads);
+      q_c = q_c8.data();
+      q_c_stride = ql;
+    }
+    cpu::gemm_nt(T, q_width, ql, q_c, q_c_stride, w_q_b.data(), ql, q_lora_out.data(), q_width,
+                 1.0f, 0.0f, threads);
     rows_parallel(T, [&](int64_t t0, int64_t t1) {
       cpu::round_to(q_lora_out.data() + t0 * q_width, (t1 - t0) * q_width, act);
     });
@@ -419,8 +474,8 @@ void MlaLayer::Impl::forward(const TensorView& positions, const TensorView& hidd
   // ---- 6. gate and o_proj ---------------------------------------------------------
   if (cfg.use_output_gate) {
     const cpu::Scratch g(T * attn_width);
-    cpu::gemm_nt(T, attn_width, hs, x.data(), hs, w_g.data(), hs, g.data(), attn_width, 1.0f, 0.0f,
-                 threads);
+    cpu::gemm_nt(T, attn_width, hs, fp8_g ? x8.data() : x.data(), hs, w_g.data(), hs, g.data(),
+                 attn_width, 1.0f, 0.0f, threads);
     rows_parallel(T, [&](int64_t t0, int64_t t1) {
       for (int64_t i = t0 * attn_width; i < t1 * attn_width; ++i) {
         const float gate = cpu::round_value(g.data()[i], act);
@@ -428,9 +483,14 @@ void MlaLayer::Impl::forward(const TensorView& positions, const TensorView& hidd
       }
     });
   }
+  cpu::Scratch attn8;  // W8A8 o_proj: the gated attention output quantized per 128
+  if (fp8_o) {
+    attn8 = cpu::Scratch(T * attn_width);
+    cpu::quantize_rows_fp8(attn.data(), T, attn_width, attn_width, attn8.data(), threads);
+  }
   const cpu::Scratch y(T * hs);
-  cpu::gemm_nt(T, hs, attn_width, attn.data(), attn_width, w_o.data(), attn_width, y.data(), hs,
-               1.0f, 0.0f, threads);
+  cpu::gemm_nt(T, hs, attn_width, fp8_o ? attn8.data() : attn.data(), attn_width, w_o.data(),
+               attn_width, y.data(), hs, 1.0f, 0.0f, threads);
   rows_parallel(T, [&](int64_t t0, int64_t t1) {
     cpu::store_f32(y.data() + t0 * hs, (t1 - t0) * hs, act,
                    static_cast<std::byte*>(out.data) + t0 * hs * act_size);

@@ -15,6 +15,10 @@
 //  * Prefill queries and new-token keys use the act-rounded rotated rope values on every
 //    cache format; only the cache row and the decode query of a plain fp8 cache take the
 //    unrounded rotation (they are quantized straight from it).
+//  * fp8 block-quantized projections (MlaWeights::fp8) run as W8A8 in both modes: the GEMM
+//    input row is quantized per 128 inputs (in fp64; x / s goes through float on its way to
+//    e4m3) and multiplied by the exactly dequantized weight float(code) * scale. The one
+//    exception is kv_b_proj for decode tokens, see step 4.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -64,15 +68,23 @@ struct Rounder {
 // The fp8 prefill mode's unscaled cast to e4m3 and back.
 double e4m3_roundtrip(double x) { return e4m3_to_float(e4m3_scaled_clamped(float(x), 1.0f)); }
 
-// Rows [r0, r0 + n) of a 16-bit weight [rows, cols] as fp64: [n, cols], or [cols, n]
-// transposed.
-Mat load_rows(const HostTensor& t, int64_t r0, int64_t n, bool transpose) {
+// The fp8 block weight of projection `name`, or null when it is 16-bit.
+const Fp8BlockWeight* fp8_of(const MlaWeights& w, const char* name) {
+  const auto it = w.fp8.find(name);
+  return it == w.fp8.end() ? nullptr : &it->second;
+}
+
+// Rows [r0, r0 + n) of a weight [rows, cols] as fp64: [n, cols], or [cols, n] transposed.
+// The values are those of the 16-bit tensor `t`, or with `f` given, exactly
+// float(code) * scale of the fp8 block weight.
+Mat load_rows(const HostTensor& t, const Fp8BlockWeight* f, int64_t r0, int64_t n, bool transpose) {
   const int64_t cols = t.dim(1);
-  const auto* p = t.data<uint16_t>() + r0 * cols;
   Mat m = transpose ? Mat(cols, n) : Mat(n, cols);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < cols; ++j) {
-      const double x = act_to_double(p[i * cols + j], t.dtype());
+      const int64_t e = (r0 + i) * cols + j;
+      const double x = f ? double(e4m3_to_float(f->codes.data<uint8_t>()[e])) * double(f->scale(r0 + i, j))
+                         : act_to_double(t.data<uint16_t>()[e], t.dtype());
       if (transpose)
         m.row(j)[i] = x;
       else
@@ -81,8 +93,16 @@ Mat load_rows(const HostTensor& t, int64_t r0, int64_t n, bool transpose) {
   return m;
 }
 
-Mat load_matrix(const HostTensor& t, bool transpose) {
-  return load_rows(t, 0, t.dim(0), transpose);
+// The W8A8 activation quantization of one row of n inputs: per 128, s = max(amax, 1e-10) / 448
+// and x -> e4m3_sat(x / s) * s.
+void quantize_activation(const double* x, int64_t n, double* out) {
+  for (int64_t g = 0; g < n; g += Fp8BlockWeight::kBlock) {
+    const int64_t end = std::min<int64_t>(n, g + Fp8BlockWeight::kBlock);
+    double amax = 0;
+    for (int64_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const double s = std::max(amax, 1e-10) / kFp8Max;
+    for (int64_t i = g; i < end; ++i) out[i] = double(e4m3_to_float(float_to_e4m3_sat(float(x[i] / s)))) * s;
+  }
 }
 
 std::vector<double> load_vector(const HostTensor& t) {
@@ -130,6 +150,19 @@ void matmul(const double* a, int64_t lda, int64_t m, const Mat& bt, double* c) {
         }
     }
   }
+}
+
+// y[m, out] = x[m, in] · W^T for the projection `name` whose 16-bit tensor is t (x has row
+// stride lda). An fp8 projection is W8A8: each row of x quantized, times the exact weight.
+void project(const double* x, int64_t lda, int64_t m, const MlaWeights& w, const char* name,
+             const HostTensor& t, double* y) {
+  const Fp8BlockWeight* f = fp8_of(w, name);
+  const Mat wt = load_rows(t, f, 0, t.dim(0), true);
+  if (f == nullptr) return matmul(x, lda, m, wt, y);
+  const int64_t k = t.dim(1);
+  Mat xq(m, k);
+  for (int64_t i = 0; i < m; ++i) quantize_activation(x + i * lda, k, xq.row(i));
+  matmul(xq.v.data(), k, m, wt, y);
 }
 
 double dot(const double* a, const double* b, int64_t n) {
@@ -262,20 +295,20 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
   }
   Mat q(T, q_width);      // per head [q_nope 128 | q_pe 64]; q_pe rotated, unrounded
   Mat kv(T, kLatentDim);  // [kv_c_normed 512 | k_pe 64]; k_pe rotated, unrounded
-  matmul(h.v.data(), hs, T, load_matrix(w.kv_a_proj_with_mqa, true), kv.v.data());
+  project(h.v.data(), hs, T, w, "kv_a_proj_with_mqa", w.kv_a_proj_with_mqa, kv.v.data());
   r.apply(kv.v.data(), T * kLatentDim);
   const std::vector<double> kv_norm = load_vector(w.kv_a_layernorm);
   for (int64_t t = 0; t < T; ++t) rms_norm(kv.row(t), kKvLoraRank, kv_norm, cfg.rms_norm_eps, r);
   if (cfg.q_lora_rank) {
     const int64_t ql = *cfg.q_lora_rank;
     Mat q_c(T, ql);
-    matmul(h.v.data(), hs, T, load_matrix(w.q_a_proj, true), q_c.v.data());
+    project(h.v.data(), hs, T, w, "q_a_proj", w.q_a_proj, q_c.v.data());
     r.apply(q_c.v.data(), T * ql);
     const std::vector<double> q_norm = load_vector(w.q_a_layernorm);
     for (int64_t t = 0; t < T; ++t) rms_norm(q_c.row(t), ql, q_norm, cfg.rms_norm_eps, r);
-    matmul(q_c.v.data(), ql, T, load_matrix(w.q_b_proj, true), q.v.data());
+    project(q_c.v.data(), ql, T, w, "q_b_proj", w.q_b_proj, q.v.data());
   } else {
-    matmul(h.v.data(), hs, T, load_matrix(w.q_proj, true), q.v.data());
+    project(h.v.data(), hs, T, w, "q_proj", w.q_proj, q.v.data());
   }
   r.apply(q.v.data(), T * q_width);
 
@@ -302,14 +335,29 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
 
   // ---- step 4: attention, request by request ---------------------------------------------
   // kv_b_proj per head: rows [h*256, h*256+128) are W_UK_h, the next 128 rows W_UV_h.
-  std::vector<Mat> w_uk_t(H), w_uv_t(H);  // [512, 128]: the key projections
-  std::vector<Mat> w_uk(H);               // [128, 512]: the absorbed query (plain fp8 only)
-  for (int hd = 0; hd < H; ++hd) {
-    const int64_t r0 = int64_t(hd) * kKvBOut;
-    if (fp8_cache) w_uk[hd] = load_rows(w.kv_b_proj, r0, kNopeDim, false);
-    w_uk_t[hd] = load_rows(w.kv_b_proj, r0, kNopeDim, true);
-    w_uv_t[hd] = load_rows(w.kv_b_proj, r0 + kNopeDim, kVDim, true);
-  }
+  // With an fp8 kv_b_proj the recipe gives the two paths different weights: prefill keys and
+  // values are W8A8 (the latent quantized per 128, times the exactly dequantized weight),
+  // while decode runs the absorbed W_UK_T / W_UV, built from the bf16 dequantized copy (the
+  // 16-bit tensor) and applied to the unquantized latent. Decode keys here are that copy
+  // times the latent, in the MHA form.
+  struct KvB {
+    std::vector<Mat> uk_t, uv_t;  // per head [512, 128]: the key and value projections
+  };
+  auto split_kv_b = [&](const Fp8BlockWeight* f) {
+    KvB k{std::vector<Mat>(H), std::vector<Mat>(H)};
+    for (int hd = 0; hd < H; ++hd) {
+      const int64_t r0 = int64_t(hd) * kKvBOut;
+      k.uk_t[hd] = load_rows(w.kv_b_proj, f, r0, kNopeDim, true);
+      k.uv_t[hd] = load_rows(w.kv_b_proj, f, r0 + kNopeDim, kVDim, true);
+    }
+    return k;
+  };
+  const Fp8BlockWeight* kv_b8 = fp8_of(w, "kv_b_proj");
+  const KvB kv_b_16 = split_kv_b(nullptr);
+  const KvB kv_b_w8 = kv_b8 ? split_kv_b(kv_b8) : KvB{};
+  std::vector<Mat> w_uk(H);  // [128, 512]: the absorbed query (plain fp8 only)
+  if (fp8_cache)
+    for (int hd = 0; hd < H; ++hd) w_uk[hd] = load_rows(w.kv_b_proj, nullptr, int64_t(hd) * kKvBOut, kNopeDim, false);
   const double scale = cfg.softmax_scale();
   const double q_scale = w.q_scale;
   const float q_scale_inv = 1.0f / w.q_scale;  // fp32 reciprocal, as the seed's writer
@@ -342,15 +390,25 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
       double* dst = keys.latent.row(j);
       for (int i = 0; i < kLatentDim; ++i) dst[i] = i < kKvLoraRank ? src[i] : r(src[i]);
     }
+    // The kv_b input: the latent [:512] (row stride 576), or its quantized copy for W8A8.
+    const bool w8a8_kv_b = kv_b8 != nullptr && !decode;
+    const KvB& kv_b = w8a8_kv_b ? kv_b_w8 : kv_b_16;
+    Mat latent_q;
+    if (w8a8_kv_b) {
+      latent_q = Mat(keys.count, kKvLoraRank);
+      for (int64_t j = 0; j < keys.count; ++j) quantize_activation(keys.latent.row(j), kKvLoraRank, latent_q.row(j));
+    }
+    const double* kv_b_in = w8a8_kv_b ? latent_q.v.data() : keys.latent.v.data();
+    const int64_t kv_b_ld = w8a8_kv_b ? kKvLoraRank : kLatentDim;
     keys.v.resize(H);
     if (!absorbed_fp8) keys.k_nope.resize(H);
     for (int hd = 0; hd < H; ++hd) {
       keys.v[hd] = Mat(keys.count, kVDim);
-      matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uv_t[hd], keys.v[hd].v.data());
+      matmul(kv_b_in, kv_b_ld, keys.count, kv_b.uv_t[hd], keys.v[hd].v.data());
       r.apply(keys.v[hd].v.data(), keys.count * kVDim);
       if (!absorbed_fp8) {
         keys.k_nope[hd] = Mat(keys.count, kNopeDim);
-        matmul(keys.latent.v.data(), kLatentDim, keys.count, w_uk_t[hd], keys.k_nope[hd].v.data());
+        matmul(kv_b_in, kv_b_ld, keys.count, kv_b.uk_t[hd], keys.k_nope[hd].v.data());
         r.apply(keys.k_nope[hd].v.data(), keys.count * kNopeDim);
       }
       if (fp8_qkv) {
@@ -417,11 +475,11 @@ Result forward(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
     std::copy(attn.row(t), attn.row(t) + attn_width, res.attn_out.begin() + t * attn_width);
   if (cfg.use_output_gate) {
     Mat g(T, attn_width);
-    matmul(h.v.data(), hs, T, load_matrix(w.g_proj, true), g.v.data());
+    project(h.v.data(), hs, T, w, "g_proj", w.g_proj, g.v.data());
     for (int64_t i = 0; i < T * attn_width; ++i)
       attn.v[size_t(i)] = r(attn.v[size_t(i)] * sigmoid(r(g.v[size_t(i)])));
   }
-  matmul(attn.v.data(), attn_width, T, load_matrix(w.o_proj, true), res.out.data());
+  project(attn.v.data(), attn_width, T, w, "o_proj", w.o_proj, res.out.data());
   r.apply(res.out.data(), T * hs);
   return res;
 }

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/random.hpp"
 #include "kmla/layer.hpp"
@@ -97,6 +98,15 @@ std::vector<Case> standard_cases() {
   cases.push_back(yarn);
   Case v2 = mixed_case("deepseek-v2-lite", CacheFormat::bf16, 64, 11, 1);
   cases.push_back(v2);
+  // fp8 block-quantized checkpoints (W8A8 projections): DeepSeek-V3 (yarn) and Kimi-K2.
+  Case dsv3 = mixed_case("deepseek-v3", CacheFormat::bf16, 16, 12);
+  dsv3.fp8_weights = true;
+  dsv3.name += "/fp8-weights";
+  cases.push_back(dsv3);
+  Case k2 = mixed_case("kimi-k2", CacheFormat::fp8_ds_mla, 64, 13, 2);
+  k2.fp8_weights = true;
+  k2.name += "/fp8-weights";
+  cases.push_back(k2);
   return cases;
 }
 
@@ -114,6 +124,17 @@ Inputs make_inputs(const Case& c) {
   Random rng(c.seed);
   Inputs s;
   s.weights = c.weights ? *c.weights : MlaWeights::random(cfg, c.seed, c.activation);
+  if (c.fp8_weights) {
+    const std::pair<const char*, const HostTensor*> projections[] = {
+        {"q_a_proj", &s.weights.q_a_proj},   {"q_b_proj", &s.weights.q_b_proj},
+        {"q_proj", &s.weights.q_proj},       {"kv_a_proj_with_mqa", &s.weights.kv_a_proj_with_mqa},
+        {"kv_b_proj", &s.weights.kv_b_proj}, {"g_proj", &s.weights.g_proj},
+        {"o_proj", &s.weights.o_proj}};
+    std::vector<std::string> names;
+    for (const auto& [name, t] : projections)
+      if (!t->empty() && s.weights.fp8.count(name) == 0) names.push_back(name);
+    s.weights = s.weights.to_fp8_blocks(names);
+  }
   s.weights.k_scale = c.k_scale;
   s.weights.q_scale = c.q_scale;
 

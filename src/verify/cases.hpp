@@ -30,6 +30,9 @@ struct Case {
   float k_scale = 1.0f;
   float q_scale = 1.0f;
   bool fp8_prefill = false;
+  // Simulate an fp8 checkpoint: every projection of the config that is not fp8 yet becomes
+  // an fp8 block weight (MlaWeights::to_fp8_blocks) and runs as W8A8.
+  bool fp8_weights = false;
   int block_size = 16;
   int decode_threshold = 1;
   int64_t workspace_tokens = 65536;
