@@ -106,6 +106,12 @@ struct BatchMetadata {
 BatchMetadata plan_batch(const std::vector<RequestSpec>& requests, const CacheGeometry& cache,
                          const BatchOptions& options = {});
 
+// Checks that metadata (planned here, or built or modified by a caller) is consistent in
+// itself and with the cache geometry: counts, per-request lengths and kinds, block tables
+// inside the cache, decode/prefill splits, and context chunks tiling every context exactly.
+// Backends call it before touching a cache. Throws kmla::Error naming the inconsistency.
+void validate_batch(const BatchMetadata& md, const CacheGeometry& cache);
+
 // Reorders rows between the caller's order and the layout (rows are `width` elements of
 // `elem_bytes` each). to_layout: dst[layout row] = src[caller row]; else the inverse.
 void permute_rows(const BatchMetadata& md, const void* src, void* dst, int64_t width,

@@ -24,17 +24,6 @@ void check_host_cache(const LatentCache& cache, const char* what) {
   KMLA_CHECK(cache.base() != nullptr, what, " has no memory");
 }
 
-const char* kind_name(RequestKind k) {
-  switch (k) {
-    case RequestKind::decode:
-      return "decode";
-    case RequestKind::context_prefill:
-      return "prefill with context";
-    case RequestKind::fresh_prefill:
-      return "fresh prefill";
-  }
-  return "?";
-}
 
 // cu must be [0, ..., total], non-decreasing, with num_seqs + 1 entries.
 void check_cu(const std::vector<int64_t>& cu, const char* what, int64_t total) {
@@ -48,90 +37,7 @@ void check_cu(const std::vector<int64_t>& cu, const char* what, int64_t total) {
 
 void validate_metadata(const BatchMetadata& md, const LatentCache& cache) {
   check_host_cache(cache, "the latent cache");
-  KMLA_CHECK(md.block_size == cache.block_size(), "metadata was planned for block size ",
-             md.block_size, ", the cache has block size ", cache.block_size());
-  KMLA_CHECK(md.num_cache_blocks <= cache.num_blocks(), "metadata was planned for ",
-             md.num_cache_blocks, " cache blocks, the cache has only ", cache.num_blocks());
-  const int R = md.num_requests;
-  KMLA_CHECK(R >= 0 && md.num_decodes >= 0 && md.num_context_prefills >= 0 &&
-                 md.num_fresh_prefills >= 0 &&
-                 md.num_decodes + md.num_context_prefills + md.num_fresh_prefills == R,
-             "metadata request counts (", md.num_decodes, " decode, ", md.num_context_prefills,
-             " with context, ", md.num_fresh_prefills, " fresh) do not add up to ", R, " requests");
-  KMLA_CHECK(md.query_lens.size() == size_t(R) && md.context_lens.size() == size_t(R) &&
-                 md.seq_lens.size() == size_t(R) && md.query_start.size() == size_t(R) + 1,
-             "metadata per-request arrays do not have ", R, " entries");
-  KMLA_CHECK(md.max_blocks_per_request >= 0 &&
-                 md.block_tables.size() == size_t(R) * size_t(md.max_blocks_per_request),
-             "metadata block tables have ", md.block_tables.size(), " entries, expected ", R, " x ",
-             md.max_blocks_per_request);
-  KMLA_CHECK(md.num_tokens >= 0 && md.num_tokens <= md.num_rows, "metadata has ", md.num_tokens,
-             " real tokens in ", md.num_rows, " rows");
-  KMLA_CHECK(md.query_start[0] == 0 && md.query_start[size_t(R)] == md.num_tokens,
-             "metadata query starts do not cover its ", md.num_tokens, " real tokens");
-  KMLA_CHECK(md.max_decode_query_len <= md.decode_threshold, "metadata's longest decode query (",
-             md.max_decode_query_len, ") exceeds its decode threshold ", md.decode_threshold);
-  for (int r = 0; r < R; ++r) {
-    KMLA_CHECK(md.query_lens[r] >= 0 && md.context_lens[r] >= 0 &&
-                   md.seq_lens[r] == int64_t(md.context_lens[r]) + md.query_lens[r] &&
-                   md.query_start[r + 1] - md.query_start[r] == md.query_lens[r],
-               "metadata request ", r, " has inconsistent lengths (query ", md.query_lens[r],
-               ", context ", md.context_lens[r], ", sequence ", md.seq_lens[r], ")");
-    const RequestKind kind = md.kind(r);
-    if (kind == RequestKind::decode)
-      KMLA_CHECK(
-          md.query_lens[r] <= md.decode_threshold && md.query_lens[r] <= md.max_decode_query_len,
-          "metadata request ", r, " is a decode with ", md.query_lens[r],
-          " query tokens, above the decode threshold ", md.decode_threshold);
-    else if (kind == RequestKind::context_prefill)
-      KMLA_CHECK(md.context_lens[r] > 0, "metadata request ", r, " is a ", kind_name(kind),
-                 " without context");
-    else
-      KMLA_CHECK(md.context_lens[r] == 0, "metadata request ", r, " is a ", kind_name(kind),
-                 " but has ", md.context_lens[r], " context tokens");
-    const int64_t need = (md.seq_lens[r] + md.block_size - 1) / md.block_size;
-    KMLA_CHECK(need <= md.max_blocks_per_request, "metadata request ", r, " needs ", need,
-               " blocks, its block table has ", md.max_blocks_per_request);
-    const int32_t* table = md.block_table(r);
-    for (int64_t b = 0; b < need; ++b)
-      KMLA_CHECK(table[b] >= 0 && table[b] < cache.num_blocks(), "metadata request ", r,
-                 ": block table entry ", b, " = ", table[b], " is outside the cache's blocks [0, ",
-                 cache.num_blocks(), ")");
-  }
-  KMLA_CHECK(md.num_decode_tokens == md.query_start[size_t(md.num_decodes)], "metadata has ",
-             md.num_decode_tokens, " decode tokens, its decodes hold ",
-             md.query_start[size_t(md.num_decodes)]);
-  KMLA_CHECK(
-      md.prefill_tokens_with_context ==
-          md.query_start[size_t(md.num_decodes + md.num_context_prefills)] - md.num_decode_tokens,
-      "metadata prefill_tokens_with_context ", md.prefill_tokens_with_context,
-      " does not match its prefills with context");
-
-  // Context chunks: for every prefill with context j, the chunks' ranges
-  // [start, start + len[j]) must tile [0, context_len) in order.
-  const int nc = md.num_context_prefills;
-  std::vector<int64_t> covered(size_t(nc), 0);
-  for (size_t c = 0; c < md.context_chunks.size(); ++c) {
-    const ContextChunk& ch = md.context_chunks[c];
-    KMLA_CHECK(
-        ch.len.size() == size_t(nc) && ch.cu_len.size() == size_t(nc) + 1 && ch.cu_len[0] == 0,
-        "metadata context chunk ", c, " does not have ", nc, " request lengths");
-    for (int j = 0; j < nc; ++j) {
-      KMLA_CHECK(ch.len[size_t(j)] >= 0 &&
-                     ch.cu_len[size_t(j) + 1] == ch.cu_len[size_t(j)] + ch.len[size_t(j)],
-                 "metadata context chunk ", c, " has inconsistent lengths at request ", j);
-      if (ch.len[size_t(j)] == 0) continue;
-      KMLA_CHECK(ch.start == covered[size_t(j)], "metadata context chunk ", c, " starts at ",
-                 ch.start, " for request ", md.num_decodes + j, ", whose context is covered up to ",
-                 covered[size_t(j)]);
-      covered[size_t(j)] += ch.len[size_t(j)];
-    }
-  }
-  for (int j = 0; j < nc; ++j)
-    KMLA_CHECK(covered[size_t(j)] == md.context_lens[size_t(md.num_decodes + j)],
-               "metadata context chunks cover ", covered[size_t(j)], " of the ",
-               md.context_lens[size_t(md.num_decodes + j)], " context tokens of request ",
-               md.num_decodes + j);
+  validate_batch(md, cache.geometry());
 }
 
 void validate_slots(const int64_t* slots, int64_t n, const LatentCache& cache) {

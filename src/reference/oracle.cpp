@@ -193,43 +193,10 @@ void rotate(double* x, const float* row) {
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 void validate_metadata(const BatchMetadata& md, const LatentCache& cache, int64_t rows) {
-  const int R = md.num_requests;
   KMLA_CHECK(md.num_rows == rows, "metadata has ", md.num_rows, " rows, hidden has ", rows);
-  KMLA_CHECK(md.num_tokens >= 0 && md.num_tokens <= md.num_rows, "metadata has ", md.num_tokens,
-             " real tokens in ", md.num_rows, " rows");
-  KMLA_CHECK(md.block_size == cache.block_size(), "metadata was planned for block size ",
-             md.block_size, ", the cache has block size ", cache.block_size());
-  KMLA_CHECK(md.num_cache_blocks <= cache.num_blocks(), "metadata was planned for ",
-             md.num_cache_blocks, " cache blocks, the cache has ", cache.num_blocks());
-  KMLA_CHECK(R >= 0 && md.num_decodes >= 0 && md.num_context_prefills >= 0 &&
-                 md.num_fresh_prefills >= 0 &&
-                 md.num_decodes + md.num_context_prefills + md.num_fresh_prefills == R,
-             "metadata request counts do not add up to ", R, " requests");
-  KMLA_CHECK(md.query_lens.size() == size_t(R) && md.context_lens.size() == size_t(R) &&
-                 md.seq_lens.size() == size_t(R) && md.query_start.size() == size_t(R) + 1,
-             "metadata per-request arrays do not have ", R, " entries");
-  KMLA_CHECK(md.max_blocks_per_request >= 0 &&
-                 md.block_tables.size() == size_t(R) * size_t(md.max_blocks_per_request),
-             "metadata block tables have ", md.block_tables.size(), " entries, expected ", R, " x ",
-             md.max_blocks_per_request);
+  validate_batch(md, cache.geometry());
   KMLA_CHECK(md.slot_mapping.size() == size_t(md.num_rows), "metadata slot mapping has ",
              md.slot_mapping.size(), " entries for ", md.num_rows, " rows");
-  KMLA_CHECK(md.query_start[0] == 0 && md.query_start[R] == md.num_tokens,
-             "metadata query starts do not cover the ", md.num_tokens, " real tokens");
-  for (int r = 0; r < R; ++r) {
-    KMLA_CHECK(md.query_lens[r] >= 0 && md.context_lens[r] >= 0 &&
-                   md.seq_lens[r] == int64_t(md.context_lens[r]) + md.query_lens[r] &&
-                   md.query_start[r + 1] - md.query_start[r] == md.query_lens[r],
-               "metadata request ", r, " has inconsistent lengths");
-    const int64_t need = (md.seq_lens[r] + md.block_size - 1) / md.block_size;
-    KMLA_CHECK(need <= md.max_blocks_per_request, "metadata request ", r, " needs ", need,
-               " blocks, its table has ", md.max_blocks_per_request);
-    for (int64_t b = 0; b < need; ++b) {
-      const int32_t id = md.block_table(r)[b];
-      KMLA_CHECK(id >= 0 && id < cache.num_blocks(), "metadata request ", r, ": block ", b, " = ",
-                 id, " is outside the cache's blocks [0, ", cache.num_blocks(), ")");
-    }
-  }
   for (int64_t t = 0; t < md.num_tokens; ++t) {
     const int64_t slot = md.slot_mapping[t];
     KMLA_CHECK(slot == -1 || (slot >= 0 && slot < cache.geometry().num_slots()), "metadata slot ",
