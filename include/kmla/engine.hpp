@@ -26,15 +26,18 @@ struct Trace {
   std::vector<TraceRequest> requests;  // sorted by arrival
 };
 
+// The defaults are sized so that `kmla run` on the kimi-k3 TP-8 slice (2 layers, bf16 cache)
+// finishes in well under a minute on a 2-core machine, oracle check included: about 4k
+// tokens through the stack at ~160 MFLOP each (measured: see engine.cpp).
 struct TraceOptions {
-  int num_requests = 24;
+  int num_requests = 20;
   double arrival_rate = 0;        // requests per second (Poisson); 0 = all arrive at once
-  int prompt_len_mean = 320;      // log-normal-ish prompt lengths, clamped to [min, max]
+  int prompt_len_mean = 256;      // log-normal prompt lengths, clamped to [min, max]
   int prompt_len_min = 16;
-  int prompt_len_max = 1024;
-  int output_len_mean = 32;
+  int prompt_len_max = 768;
+  int output_len_mean = 24;       // log-normal output lengths, clamped to [min, max]
   int output_len_min = 4;
-  int output_len_max = 96;
+  int output_len_max = 64;
   double shared_prefix_fraction = 0.5;  // requests that start with one of a few shared prefixes
   int num_prefix_groups = 3;
   int prefix_len = 192;                 // tokens of each shared prefix (a "system prompt")
@@ -47,11 +50,18 @@ Trace default_trace(const TraceOptions& options);
 // JSON lines, one request each: {"prompt_len": N} or {"prompt": [ids...]}, optional
 // "output_len" (default 16), "arrival_s" (default 0), "prefix_group" (requests of one group
 // share their first "prefix_len" tokens), "id". Errors name the file and line.
+// Details (src/engine/trace.cpp): blank lines are skipped; unknown keys are errors;
+// "prefix_group" (an integer or a string) needs "prefix_len" (1..prompt_len) and a
+// "prompt_len" line; tokens not given are pseudo-random from (seed, group or line); "id"
+// defaults to the request's index in the file and must be unique; requests are sorted by
+// arrival (stable).
 Trace load_trace_jsonl(const std::string& path, int vocab_size = 32000, uint64_t seed = 1);
 
 // ---- the engine ----------------------------------------------------------------------
 struct EngineOptions {
-  MlaConfig config;                 // one rank's layer (e.g. kimi-k3 at its TP-8 slice)
+  MlaConfig config;                 // one rank's layer (e.g. kimi-k3 at its TP-8 slice); with
+                                    // tp_size > 1 each layer returns the rank's partial o_proj sum
+  // The activation (and weight) dtype follows the cache: f16 for an fp16 cache, else bf16.
   int num_layers = 2;               // MLA layers in the stack, each with its own weights/cache
   CacheFormat cache_format = CacheFormat::bf16;
   int block_size = 16;
@@ -66,6 +76,8 @@ struct EngineOptions {
   uint64_t seed = 1;
   int num_threads = 0;              // CPU backend threads (0 = all)
   int check_requests = 2;           // requests recomputed by the fp64 oracle after the run
+  // Keep every request's output rows in RequestRecord::outputs (tests compare schedules).
+  bool record_outputs = false;
 };
 
 struct StepRecord {
@@ -92,6 +104,14 @@ struct RequestRecord {
   int preemptions = 0;
   int64_t prefix_hit_tokens = 0;   // prompt tokens served from the prefix cache
   int64_t computed_tokens = 0;     // tokens this request ran through the layers (recompute included)
+  // computed_tokens + prefix_hit_tokens == prompt_len + output_len - 1 + recomputed_tokens
+  // + rejected_tokens (prefix hits count on every admission, a re-admission included).
+  int64_t recomputed_tokens = 0;   // rows valid when the request was preempted (made valid again)
+  int64_t rejected_tokens = 0;     // draft tokens run and rolled back
+  // With EngineOptions::record_outputs: the final hidden states (bits of the activation dtype)
+  // of the rows that produce the generated tokens, positions prompt_len - 1 ...
+  // prompt_len + output_len - 2: [output_len, hidden_size].
+  std::vector<uint16_t> outputs;
 };
 
 struct CheckResult {
@@ -117,6 +137,7 @@ struct RunResult {
   int64_t total_blocks = 0;
   int64_t peak_blocks = 0;
   int64_t peak_cache_bytes = 0;   // over all layers
+  int64_t evicted_blocks = 0;     // cached prefix blocks reclaimed for new content
   std::vector<StepRecord> steps;
   std::vector<RequestRecord> requests;
   std::vector<CheckResult> checks;
@@ -144,6 +165,10 @@ class Engine {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// The oracle check's bound on max|engine - oracle| / max|oracle| over a request's final hidden
+// states: a constant per cache format and stack depth, fixed before any run (see engine.cpp).
+double oracle_bound(CacheFormat format, int num_layers);
 
 // ---- what the user sees (src/engine/report.cpp) ---------------------------------------
 std::string summary_text(const RunResult& r);

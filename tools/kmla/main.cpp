@@ -1,8 +1,15 @@
 // kmla: the command-line tool. `info` describes a layer, `verify` runs named cases through
-// a backend and the fp64 oracle. Only this file turns kmla::Error into exit codes.
+// a backend and the fp64 oracle, `inspect` lists a checkpoint, `run` serves a request trace
+// through the engine. Only this file turns kmla::Error into exit codes.
 #include <CLI/CLI.hpp>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -10,6 +17,7 @@
 #include "kmla/cache.hpp"
 #include "kmla/checkpoint.hpp"
 #include "kmla/config.hpp"
+#include "kmla/engine.hpp"
 #include "kmla/error.hpp"
 #include "kmla/hf_config.hpp"
 #include "kmla/weights.hpp"
@@ -209,6 +217,173 @@ int run_inspect(const std::string& dir, bool as_json) {
   return problems ? 1 : 0;
 }
 
+// ---- kmla run ------------------------------------------------------------------------------
+namespace eng = kmla::engine;
+
+struct RunArgs {
+  std::string model = "kimi-k3";
+  int tp = 8;  // the K3 8-GPU slice: rank 0 of 8, 12 local heads
+  std::string cache_format = "bf16";
+  std::string trace;
+  std::string report;
+  bool no_prefix_caching = false;
+  bool json = false;
+  bool quiet = false;
+  eng::EngineOptions engine;  // layers, block size, budgets, seed, threads, checks
+  eng::TraceOptions workload;
+};
+
+void add_run_args(CLI::App* app, RunArgs& a) {
+  eng::EngineOptions& e = a.engine;
+  eng::TraceOptions& w = a.workload;
+  app->add_option("--model", a.model, "model preset")
+      ->check(CLI::IsMember(MlaConfig::preset_names()))
+      ->capture_default_str();
+  app->add_option("--tp", a.tp, "tensor-parallel world size; the run serves rank 0's slice")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--layers", e.num_layers, "MLA layers in the stack")
+      ->check(CLI::Range(1, 128))
+      ->capture_default_str();
+  app->add_option("--cache-format", a.cache_format, "bf16, fp16, fp8, fp8_ds_mla")
+      ->capture_default_str();
+  app->add_option("--block-size", e.block_size, "cache block size")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_option("--blocks", e.num_blocks, "cache blocks per layer (0: enough for the trace)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--token-budget", e.token_budget, "tokens per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--max-seqs", e.max_num_seqs, "running requests at most")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_flag("--no-prefix-caching", a.no_prefix_caching, "do not reuse cached prompt prefixes");
+  app->add_option("--spec-tokens", e.spec_tokens, "draft tokens verified per decode step")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  CLI::Option* trace =
+      app->add_option("--trace", a.trace, "a JSON-lines request trace instead of the built-in one");
+  // The built-in trace; each option excludes --trace.
+  for (CLI::Option* o :
+       {app->add_option("--requests", w.num_requests, "requests in the built-in trace")
+            ->check(CLI::PositiveNumber)
+            ->capture_default_str(),
+        app->add_option("--arrival-rate", w.arrival_rate,
+                        "requests per second, Poisson (0: all at once)")
+            ->check(CLI::NonNegativeNumber)
+            ->capture_default_str(),
+        app->add_option("--prompt-len", w.prompt_len_mean, "mean prompt length")
+            ->check(CLI::PositiveNumber)
+            ->capture_default_str(),
+        app->add_option("--output-len", w.output_len_mean, "mean output length")
+            ->check(CLI::PositiveNumber)
+            ->capture_default_str()})
+    o->excludes(trace);
+  app->add_option("--seed", e.seed, "seed of the trace, the weights and the draft acceptance")
+      ->capture_default_str();
+  app->add_option("--threads", e.num_threads, "CPU threads (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--check-requests", e.check_requests, "requests recomputed by the fp64 oracle")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_flag("--json", a.json, "print the whole result as JSON instead of the summary");
+  app->add_option("--report", a.report, "write a self-contained HTML report to this file");
+  app->add_flag("--quiet", a.quiet, "no progress on stderr");
+}
+
+// A mean other than the default keeps the default trace's shape: its bounds and the shared
+// prefix scale with the mean, so `--prompt-len 48` gives short prompts with short prefixes.
+eng::TraceOptions scaled_workload(eng::TraceOptions w) {
+  const eng::TraceOptions d;
+  if (w.prompt_len_mean != d.prompt_len_mean) {
+    const double k = double(w.prompt_len_mean) / d.prompt_len_mean;
+    w.prompt_len_min = std::max(1, int(std::lround(d.prompt_len_min * k)));
+    w.prompt_len_max = std::max(w.prompt_len_min, int(std::lround(d.prompt_len_max * k)));
+    w.prefix_len = std::max(1, int(std::lround(d.prefix_len * k)));
+  }
+  if (w.output_len_mean != d.output_len_mean) {
+    const double k = double(w.output_len_mean) / d.output_len_mean;
+    w.output_len_min = std::max(1, int(std::lround(d.output_len_min * k)));
+    w.output_len_max = std::max(w.output_len_min, int(std::lround(d.output_len_max * k)));
+  }
+  return w;
+}
+
+int terminal_width() {
+  winsize ws{};
+  if (ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0)
+    return std::clamp(ws.ws_col - 1, 20, 100);
+  return 80;
+}
+
+int run_serve(RunArgs a) {
+  eng::EngineOptions& e = a.engine;
+  e.config = MlaConfig::preset(a.model);
+  if (a.tp > 1) e.config = e.config.tp_slice(0, a.tp);
+  e.config.validate();
+  e.cache_format = kmla::parse_cache_format(a.cache_format);
+  e.prefix_caching = !a.no_prefix_caching;
+  a.workload.seed = e.seed;
+  const eng::Trace trace = a.trace.empty()
+                               ? eng::default_trace(scaled_workload(a.workload))
+                               : eng::load_trace_jsonl(a.trace, a.workload.vocab_size, e.seed);
+
+  // Progress on stderr: a redrawn bar on a terminal (at most ~20 redraws a second, and whenever a
+  // request finishes), otherwise a plain line each time another tenth of the requests finish.
+  const bool tty = !a.quiet && isatty(STDERR_FILENO);
+  const int width = tty ? terminal_width() : 80;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double last_draw = -1;
+  int last_finished = -1, tenths_shown = 0;
+  eng::StepRecord last_step;
+  eng::Progress last{};
+  auto on_step = [&](const eng::Progress& p) {
+    if (a.quiet) return;
+    last = p;
+    if (p.last) last_step = *p.last, last.last = &last_step;
+    const double t = elapsed();
+    if (tty) {
+      if (p.finished == last_finished && t - last_draw < 0.05) return;
+      std::fprintf(stderr, "\r%s", eng::progress_line(last, t, width).c_str());
+      std::fflush(stderr);
+      last_draw = t, last_finished = p.finished;
+    } else if (p.total > 0 && p.finished * 10 >= (tenths_shown + 1) * p.total) {
+      while (p.finished * 10 >= (tenths_shown + 1) * p.total) ++tenths_shown;
+      std::fprintf(stderr, "kmla run: %d/%d requests finished, step %lld, %.1f s\n", p.finished,
+                   p.total, (long long)p.step, t);
+    }
+  };
+
+  eng::Engine engine(e);
+  const eng::RunResult r = engine.run(trace, on_step);
+  if (tty) std::fprintf(stderr, "\r%s\n", eng::progress_line(last, elapsed(), width).c_str());
+
+  if (a.json)
+    std::cout << eng::to_json(r);
+  else
+    std::cout << eng::summary_text(r);
+  std::cout.flush();
+  if (!a.report.empty()) {
+    std::ofstream f(a.report, std::ios::binary);
+    KMLA_CHECK(f.good(), "cannot open the report file ", a.report);
+    f << eng::html_report(r);
+    f.close();
+    KMLA_CHECK(f.good(), "cannot write the report file ", a.report);
+    if (!a.quiet) std::fprintf(stderr, "kmla run: report written to %s\n", a.report.c_str());
+  }
+  const bool check_pass = std::all_of(r.checks.begin(), r.checks.end(),
+                                      [](const eng::CheckResult& c) { return c.pass; });
+  if (!r.all_finished) std::fprintf(stderr, "kmla run: not every request finished\n");
+  if (!check_pass) std::fprintf(stderr, "kmla run: the correctness check FAILED\n");
+  return r.all_finished && check_pass ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +430,10 @@ int main(int argc, char** argv) {
   verify->add_option("--tp", v_tp, "tensor-parallel world size for the checkpoint layer")->check(CLI::PositiveNumber);
   verify->add_option("--rank", v_rank, "tensor-parallel rank")->check(CLI::NonNegativeNumber);
 
+  RunArgs run_args;
+  CLI::App* run = app.add_subcommand("run", "serve a request trace through the engine; summary, JSON or HTML report");
+  add_run_args(run, run_args);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -263,6 +442,7 @@ int main(int argc, char** argv) {
   try {
     if (*info) return run_info(info_model, batch, context, block_size, workspace, info_json);
     if (*inspect) return run_inspect(ck_dir, inspect_json);
+    if (*run) return run_serve(run_args);
     if (*verify) {
       KMLA_CHECK(device == "cpu", "device '", device, "': this build has only the CPU backend");
       std::vector<kmla::verify::Case> cases;

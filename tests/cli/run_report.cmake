@@ -1,0 +1,27 @@
+# `kmla run --report FILE`: the command succeeds and writes one self-contained HTML page with
+# SVG charts. Run by CTest:
+#   cmake -DKMLA=path/to/kmla "-DARGS=run ..." -DOUT=path/to/report.html -P run_report.cmake
+separate_arguments(args UNIX_COMMAND "${ARGS}")
+file(REMOVE "${OUT}")
+execute_process(COMMAND ${KMLA} ${args} --report ${OUT} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "kmla ${ARGS} --report ${OUT} exited with ${rc}\n${err}\n${out}")
+endif()
+if(NOT EXISTS "${OUT}")
+  message(FATAL_ERROR "${OUT} was not written")
+endif()
+file(READ "${OUT}" html)
+foreach(needle "<!DOCTYPE html>" "<svg" "</html>")
+  string(FIND "${html}" "${needle}" at)
+  if(at LESS 0)
+    message(FATAL_ERROR "${OUT} lacks '${needle}'")
+  endif()
+endforeach()
+foreach(banned "http://" "https://" "<script")
+  string(FIND "${html}" "${banned}" at)
+  if(NOT at LESS 0)
+    message(FATAL_ERROR "${OUT} is not self-contained: it holds '${banned}'")
+  endif()
+endforeach()
+message(STATUS "${OUT}: self-contained HTML with SVG charts")
