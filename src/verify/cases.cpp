@@ -222,6 +222,7 @@ Report run_case(const Case& c) {
   LayerOptions lo;
   lo.activation = c.activation;
   lo.fp8_prefill = c.fp8_prefill;
+  lo.partial_output = cfg.tp_size > 1;  // a rank's partial sum, compared with the oracle's
   MlaLayer layer(cfg, s.weights, lo, rope);
   HostTensor out(c.activation, {s.md.num_rows, cfg.hidden_size});
   layer.forward(s.positions.view(), s.hidden.view(), &s.md, cache_backend, out.view());
