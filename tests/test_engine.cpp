@@ -515,7 +515,7 @@ EngineOptions small_options() {
   o.workspace_tokens = 40;  // small: contexts run in several chunks
   o.check_requests = 0;
   o.record_outputs = true;
-  o.num_threads = 2;
+  o.num_threads = 1;  // ctest runs two tests at once on two cores
   return o;
 }
 
@@ -573,9 +573,9 @@ TEST(Engine, RandomTracesRunToCompletion) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     EngineOptions o = small_options();
     o.seed = seed;
-    o.num_blocks = 40 + int64_t(seed) * 10;
+    o.num_blocks = 30 + int64_t(seed) * 10;
     o.check_requests = 1;
-    const Trace t = engine_trace(seed, 10);
+    const Trace t = engine_trace(seed, 8);
     const RunResult r = Engine(o).run(t);
     expect_complete(r, t, o);
     EXPECT_EQ(r.checks.size(), 1u);
@@ -702,7 +702,9 @@ TEST(Engine, OracleCheckPassesAndItsBoundIsAConstant) {
   EXPECT_EQ(oracle_bound(CacheFormat::fp8_ds_mla, 3), 3 * 0x1p-4);
   for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp16, CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
     SCOPED_TRACE(cache_format_name(f));
+    // Two different runs (bf16), one each for the other formats: the same bound every time.
     for (uint64_t seed : {21, 22}) {
+      if (seed == 22 && f != CacheFormat::bf16) continue;
       EngineOptions o = small_options();
       o.cache_format = f;
       o.seed = seed;

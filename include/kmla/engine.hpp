@@ -28,7 +28,7 @@ struct Trace {
 
 // The defaults are sized so that `kmla run` on the kimi-k3 TP-8 slice (2 layers, bf16 cache)
 // finishes in well under a minute on a 2-core machine, oracle check included: about 4k
-// tokens through the stack at ~160 MFLOP each (measured: see engine.cpp).
+// tokens through the stack at ~160 MFLOP each (measured 27-35 s on the shared 2-core box).
 struct TraceOptions {
   int num_requests = 20;
   double arrival_rate = 0;        // requests per second (Poisson); 0 = all arrive at once
@@ -65,7 +65,8 @@ struct EngineOptions {
   int num_layers = 2;               // MLA layers in the stack, each with its own weights/cache
   CacheFormat cache_format = CacheFormat::bf16;
   int block_size = 16;
-  int64_t num_blocks = 0;           // 0: enough for the trace's longest requests (see engine.cpp)
+  int64_t num_blocks = 0;           // per layer; 0: sized from the trace (3/4 of what max_num_seqs
+                                    // of its longest requests need, at least 2x the longest)
   int64_t token_budget = 512;       // tokens per step (decodes first, then prefill chunks)
   int max_num_seqs = 32;            // running requests at most
   bool prefix_caching = true;
@@ -75,7 +76,7 @@ struct EngineOptions {
   int64_t workspace_tokens = 4096;  // context chunk workspace
   uint64_t seed = 1;
   int num_threads = 0;              // CPU backend threads (0 = all)
-  int check_requests = 2;           // requests recomputed by the fp64 oracle after the run
+  int check_requests = 2;           // the shortest requests, recomputed by the fp64 oracle after the run
   // Keep every request's output rows in RequestRecord::outputs (tests compare schedules).
   bool record_outputs = false;
 };
@@ -88,7 +89,7 @@ struct StepRecord {
   int prefill_requests = 0;
   int64_t prefill_tokens = 0;
   int running = 0;         // requests holding cache blocks after the step
-  int waiting = 0;
+  int waiting = 0;         // arrived, not running, not finished
   int64_t blocks_used = 0;     // referenced blocks
   int64_t blocks_cached = 0;   // unreferenced blocks kept for prefix reuse
   int preempted = 0;           // requests preempted in this step
@@ -102,7 +103,7 @@ struct RequestRecord {
   double first_token_s = -1;  // when the first generated token was produced
   double finish_s = -1;
   int preemptions = 0;
-  int64_t prefix_hit_tokens = 0;   // prompt tokens served from the prefix cache
+  int64_t prefix_hit_tokens = 0;   // tokens served from the prefix cache instead of computed
   int64_t computed_tokens = 0;     // tokens this request ran through the layers (recompute included)
   // computed_tokens + prefix_hit_tokens == prompt_len + output_len - 1 + recomputed_tokens
   // + rejected_tokens (prefix hits count on every admission, a re-admission included).
@@ -116,7 +117,7 @@ struct RequestRecord {
 
 struct CheckResult {
   int64_t request_id = 0;
-  int64_t tokens = 0;
+  int64_t tokens = 0;      // rows compared (the request's prefix-cache hits were computed elsewhere)
   double max_ref = 0;
   double max_err = 0;
   double rel_err = 0;      // max_err / max_ref over the request's final hidden states
@@ -127,7 +128,7 @@ struct CheckResult {
 struct RunResult {
   EngineOptions options;
   std::string model;       // preset / config name
-  double wall_s = 0;
+  double wall_s = 0;       // the run clock at the end (steps + idle gaps jumped over)
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
   int64_t prefill_tokens_computed = 0;
@@ -135,7 +136,7 @@ struct RunResult {
   int64_t prefix_hit_tokens = 0;
   int preemptions = 0;
   int64_t total_blocks = 0;
-  int64_t peak_blocks = 0;
+  int64_t peak_blocks = 0;        // most blocks referenced at once (during a step)
   int64_t peak_cache_bytes = 0;   // over all layers
   int64_t evicted_blocks = 0;     // cached prefix blocks reclaimed for new content
   std::vector<StepRecord> steps;
@@ -158,6 +159,9 @@ class Engine {
   Engine(Engine&&) noexcept;
   Engine& operator=(Engine&&) noexcept;
   // Serves the trace to completion. on_step is called after every step (progress display).
+  // All times are on one run clock: real time since the start, except that when nothing is
+  // running or waiting the clock jumps to the next arrival instead of sleeping. Throws
+  // kmla::Error for a request that could never fit the cache, naming it.
   RunResult run(const Trace& trace, const std::function<void(const Progress&)>& on_step = {});
 
   struct Impl;

@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
-#include <limits>
 #include <thread>
 
 #include "core/random.hpp"
@@ -56,8 +55,9 @@ namespace kmla::engine {
 // fresh prefill attends to unquantized keys. Softmax weights sum to one, so the attended
 // latent errs by at most ~2^-4 of its size, and the layer output (at most ~0.6 max|x_L|) by
 // ~2^-4.7 of max|x_L|; with the 16-bit share that is under 2^-4 per layer: L * 2^-4.
-// Measured (bf16, 2 layers, kimi-k3 TP-8 slice and the small test configs): 4.7e-3 to 6.1e-3
-// against 3.1e-2; fp16 6.5e-4 against 3.9e-3; fp8 and fp8_ds_mla 6.8e-3 to 1.0e-2 against 0.125.
+// Measured with 2 layers (the kimi-k3 TP-8 slice and the test configs): bf16 4.7e-3 to 6.1e-3
+// against 3.1e-2; fp16 5.6e-4 to 8.0e-4 against 3.9e-3; fp8 and fp8_ds_mla 6.8e-3 to 2.1e-2
+// against 0.125.
 double oracle_bound(CacheFormat format, int num_layers) {
   KMLA_CHECK(num_layers >= 1, "num_layers must be >= 1, got ", num_layers);
   double per_layer = 0;
