@@ -10,6 +10,9 @@
 
 #include "core/random.hpp"
 #include "kmla/layer.hpp"
+#ifdef KMLA_HAVE_CUDA
+#include "kmla/cuda.hpp"
+#endif
 #include "kmla/numeric.hpp"
 #include "kmla/reference.hpp"
 
@@ -207,9 +210,44 @@ double cache_row_error(const LatentCache& a, const LatentCache& b, const std::ve
   return worst;
 }
 
+// The case on the CUDA backend: the same poisoned cache and inputs on the device, the
+// output and the cache bytes read back into `out` / `cache`.
+void run_cuda(const Case& c, const Inputs& s, const std::shared_ptr<const RopeTable>& rope,
+              bool portable, LatentCache& cache, HostTensor& out) {
+#ifdef KMLA_HAVE_CUDA
+  const MlaConfig& cfg = c.config;
+  cuda::LayerOptions lo;
+  lo.activation = c.activation;
+  lo.fp8_prefill = c.fp8_prefill;
+  lo.partial_output = cfg.tp_size > 1;
+  lo.portable = portable;
+  cuda::Layer layer(cfg, s.weights, lo, rope);
+  const CacheGeometry& geo = s.cache.geometry();
+  cuda::DeviceCache dc = cuda::DeviceCache::allocate(geo.format, geo.block_size, geo.num_blocks, c.k_scale, c.tile_rule);
+  const int64_t cache_bytes = geo.block_stride * geo.num_blocks;
+  const TensorView host_bytes(s.cache.base(), DType::u8, {cache_bytes});
+  const TensorView dev_bytes = dc.memory.view(DType::u8, {cache_bytes});
+  cuda::DeviceBuffer hidden(s.hidden.bytes()), positions(s.positions.bytes()), dout(out.bytes());
+  const TensorView hv = hidden.view(c.activation, {s.hidden.dim(0), s.hidden.dim(1)});
+  const TensorView pv = positions.view(DType::i64, {s.positions.dim(0)});
+  const TensorView ov = dout.view(c.activation, {out.dim(0), out.dim(1)});
+  cuda::Stream stream = nullptr;
+  cuda::copy_to_device(host_bytes, dev_bytes, stream);
+  cuda::copy_to_device(s.hidden.view(), hv, stream);
+  cuda::copy_to_device(s.positions.view(), pv, stream);
+  layer.forward(pv, hv, &s.md, dc.cache, ov, stream);
+  cuda::copy_to_host(ov, out.view(), stream);
+  cuda::copy_to_host(dev_bytes, TensorView(cache.base(), DType::u8, {cache_bytes}), stream);
+  layer.check_errors(stream);  // synchronizes
+#else
+  KMLA_CHECK(false, "this build has no CUDA backend (case '", c.name, "', portable ", portable, ")");
+  (void)s, (void)rope, (void)cache, (void)out;
+#endif
+}
+
 }  // namespace
 
-Report run_case(const Case& c) {
+Report run_case(const Case& c, Backend backend) {
   Inputs s = make_inputs(c);
   const MlaConfig& cfg = c.config;
   std::shared_ptr<const RopeTable> rope;
@@ -218,14 +256,17 @@ Report run_case(const Case& c) {
   LatentCache cache_backend = s.cache.clone();
   LatentCache cache_exact = s.cache.clone();
   LatentCache cache_seed = s.cache.clone();
-
-  LayerOptions lo;
-  lo.activation = c.activation;
-  lo.fp8_prefill = c.fp8_prefill;
-  lo.partial_output = cfg.tp_size > 1;  // a rank's partial sum, compared with the oracle's
-  MlaLayer layer(cfg, s.weights, lo, rope);
   HostTensor out(c.activation, {s.md.num_rows, cfg.hidden_size});
-  layer.forward(s.positions.view(), s.hidden.view(), &s.md, cache_backend, out.view());
+  if (backend == Backend::cpu) {
+    LayerOptions lo;
+    lo.activation = c.activation;
+    lo.fp8_prefill = c.fp8_prefill;
+    lo.partial_output = cfg.tp_size > 1;  // a rank's partial sum, compared with the oracle's
+    MlaLayer layer(cfg, s.weights, lo, rope);
+    layer.forward(s.positions.view(), s.hidden.view(), &s.md, cache_backend, out.view());
+  } else {
+    run_cuda(c, s, rope, backend == Backend::cuda_portable, cache_backend, out);
+  }
 
   reference::Options ro;
   ro.activation = c.activation;

@@ -89,9 +89,10 @@ struct Inputs {
 };
 Inputs make_inputs(const Case& c);
 
-// Runs the CPU backend and the oracle (exact and seed rounding) on the case and applies the
+// Runs a backend (CPU; CUDA, or its portable sm_80 path, on the current GPU) and the oracle (exact and seed rounding) on the case and applies the
 // tolerance rule: the backend may err at most twice the seed-rounding oracle (a plain
 // same-precision implementation), plus one activation ulp of the largest output.
-Report run_case(const Case& c);
+enum class Backend : uint8_t { cpu, cuda, cuda_portable };
+Report run_case(const Case& c, Backend backend = Backend::cpu);
 
 }  // namespace kmla::verify

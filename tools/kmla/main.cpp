@@ -22,6 +22,10 @@
 #include "kmla/hf_config.hpp"
 #include "kmla/weights.hpp"
 #include "verify/cases.hpp"
+#ifdef KMLA_HAVE_CUDA
+#include "bench/bench.hpp"
+#include "kmla/cuda.hpp"
+#endif
 
 namespace {
 
@@ -134,13 +138,16 @@ int run_info(const ModelArgs& a, int64_t batch, int64_t context, int block_size,
   return 0;
 }
 
-int run_verify(const std::vector<kmla::verify::Case>& cases, bool as_json) {
+// Exit status of a GPU command on a machine without a GPU (CTest's SKIP_RETURN_CODE).
+constexpr int kExitNoGpu = 77;
+
+int run_verify(const std::vector<kmla::verify::Case>& cases, kmla::verify::Backend backend, bool as_json) {
   json rows = json::array();
   int failed = 0;
   if (!as_json)
     std::printf("%-44s %11s %11s %11s %9s %s\n", "case", "max|ref|", "err", "bound", "cache", "result");
   for (const auto& c : cases) {
-    const kmla::verify::Report r = kmla::verify::run_case(c);
+    const kmla::verify::Report r = kmla::verify::run_case(c, backend);
     failed += !r.pass;
     if (as_json) {
       rows.push_back({{"case", c.name}, {"max_ref", r.max_ref}, {"err", r.err_backend},
@@ -412,7 +419,8 @@ int main(int argc, char** argv) {
   verify->add_option("--block-size", v_block, "cache block size")->check(CLI::Range(1, 1024));
   verify->add_option("--heads", v_heads, "local heads")->check(CLI::Range(1, 128));
   verify->add_option("--seed", v_seed, "random seed");
-  verify->add_option("--device", device, "backend")->check(CLI::IsMember({"cpu", "cuda"}));
+  verify->add_option("--device", device, "backend: cpu, cuda, or cuda-portable (the sm_80 kernels)")
+      ->check(CLI::IsMember({"cpu", "cuda", "cuda-portable"}));
   verify->add_flag("--full", v_full, "use the model's real hidden size and q-LoRA rank (slow)");
   verify->add_flag("--all", v_all, "run the whole standard grid");
   verify->add_flag("--json", v_json, "machine-readable output");
@@ -430,6 +438,28 @@ int main(int argc, char** argv) {
   verify->add_option("--tp", v_tp, "tensor-parallel world size for the checkpoint layer")->check(CLI::PositiveNumber);
   verify->add_option("--rank", v_rank, "tensor-parallel rank")->check(CLI::NonNegativeNumber);
 
+#ifdef KMLA_HAVE_CUDA
+  kmla::bench::BenchOptions bo;
+  CLI::App* bench = app.add_subcommand("bench", "time decode, prefill and the whole layer on the GPU (SPEC section 4)");
+  bench->add_option("--only", bo.only, "run the standard cases whose name contains this");
+  bench->add_option("--iters", bo.iters, "timed runs per case (median reported)")->check(CLI::PositiveNumber);
+  bench->add_option("--warmup", bo.warmup, "untimed runs per case")->check(CLI::NonNegativeNumber);
+  bench->add_flag("--json", bo.json, "one JSON document");
+  bench->add_option("--kind", bo.kind, "a custom shape: decode, prefill, layer-decode, layer-prefill")
+      ->check(CLI::IsMember({"decode", "prefill", "layer-decode", "layer-prefill"}));
+  bench->add_option("--batch", bo.batch, "requests")->check(CLI::PositiveNumber);
+  bench->add_option("--heads", bo.heads, "local heads")->check(CLI::Range(1, 128));
+  bench->add_option("--seq", bo.seq, "keys per decode request")->check(CLI::PositiveNumber);
+  bench->add_option("--q-len", bo.q_len, "query tokens per decode request")->check(CLI::Range(1, 128));
+  bench->add_option("--tokens", bo.tokens, "prefill tokens")->check(CLI::PositiveNumber);
+  bench->add_option("--block-size", bo.block_size, "cache block size")->check(CLI::Range(1, 1024));
+  bench->add_option("--cache-format", bo.cache_format, "bf16, fp8, fp8_ds_mla");
+  bool bench_non_causal = false;
+  bench->add_flag("--non-causal", bench_non_causal, "non-causal multi-token decode / prefill");
+  bench->add_option("--model", bo.model, "model preset of the layer cases")->check(CLI::IsMember(MlaConfig::preset_names()));
+  bench->add_flag("--portable", bo.portable, "force the portable sm_80 kernels");
+#endif
+
   RunArgs run_args;
   CLI::App* run = app.add_subcommand("run", "serve a request trace through the engine; summary, JSON or HTML report");
   add_run_args(run, run_args);
@@ -443,8 +473,28 @@ int main(int argc, char** argv) {
     if (*info) return run_info(info_model, batch, context, block_size, workspace, info_json);
     if (*inspect) return run_inspect(ck_dir, inspect_json);
     if (*run) return run_serve(run_args);
+#ifdef KMLA_HAVE_CUDA
+    if (*bench) {
+      if (!kmla::cuda::available()) {
+        std::fprintf(stderr, "kmla: bench needs a CUDA GPU (skipped)\n");
+        return kExitNoGpu;
+      }
+      bo.causal = !bench_non_causal;
+      return kmla::bench::run_bench(bo, std::cout);
+    }
+#endif
     if (*verify) {
+      const kmla::verify::Backend backend = device == "cpu"    ? kmla::verify::Backend::cpu
+                                            : device == "cuda" ? kmla::verify::Backend::cuda
+                                                               : kmla::verify::Backend::cuda_portable;
+#ifdef KMLA_HAVE_CUDA
+      if (device != "cpu" && !kmla::cuda::available()) {
+        std::fprintf(stderr, "kmla: device '%s': no CUDA GPU is present (skipped)\n", device.c_str());
+        return kExitNoGpu;
+      }
+#else
       KMLA_CHECK(device == "cpu", "device '", device, "': this build has only the CPU backend");
+#endif
       std::vector<kmla::verify::Case> cases;
       if (!v_checkpoint.empty()) {
         const kmla::Checkpoint ck = kmla::Checkpoint::open(v_checkpoint);
@@ -468,7 +518,7 @@ int main(int argc, char** argv) {
         cases.push_back(kmla::verify::mixed_case(v_model, kmla::parse_cache_format(v_format), v_block, v_seed,
                                                     v_heads, !v_full));
       }
-      return run_verify(cases, v_json);
+      return run_verify(cases, backend, v_json);
     }
   } catch (const kmla::Error& e) {
     std::fprintf(stderr, "kmla: error: %s\n", e.what());

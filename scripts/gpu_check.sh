@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build with all cores (Hopper target only), run the GPU tests,
+# then the benchmark and the PyTorch peers. Logs and JSON go to $OUT (or ./gpu-out).
+# Usage: scripts/gpu_check.sh [tests|bench|all] [ctest -R regex]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+regex=${2:-cuda}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DKMLA_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" >/dev/null &&
+  cmake --build build-gpu -j "$(nproc)" >"$out/build.log" 2>&1
+rc=$?
+echo "build rc=$rc in $(( $(date +%s) - start )) s"
+if [ $rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  ctest --test-dir build-gpu -R "$regex" -j 4 --timeout 300 --output-on-failure >"$out/ctest.log" 2>&1
+  echo "ctest rc=$?"
+  grep -E "tests passed|Failed|\*\*\*|Not Run|Timeout" "$out/ctest.log" | head -60
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  build-gpu/kmla bench --json ${BENCH_ARGS:-} > "$out/bench.json" 2>"$out/bench.err"
+  echo "bench rc=$?"; tail -5 "$out/bench.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k:v for k,v in d.items() if k!='cases'})); [print(c.get('name'), c.get('us'), c.get('tb_s'), c.get('tflops'), c.get('frac_copy_bw'), c.get('error','')) for c in d.get('cases',[])]" "$out/bench.json"
+  PYTHONUNBUFFERED=1 python3 bench/peers/torch_peers.py --json "$out/peers.json" 2>&1 | tee "$out/peers.txt" | tail -20
+fi
+echo "total $(( $(date +%s) - start )) s"

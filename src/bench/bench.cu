@@ -1,0 +1,635 @@
+// `kmla bench`: times the decode and prefill attention kernels and the whole layer on the
+// current GPU. Every case allocates and random-fills its own buffers, times `iters` runs with
+// CUDA events (each after an L2 flush, outside the timed region) and reports the median
+// against the device-to-device copy bandwidth measured first, in this process.
+#include "bench/bench.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench/cases.hpp"
+#include "cuda/attention.cuh"
+#include "cuda/common.cuh"
+#include "kmla/batch.hpp"
+#include "kmla/cache.hpp"
+#include "kmla/config.hpp"
+#include "kmla/cuda.hpp"
+#include "kmla/weights.hpp"
+
+namespace kmla::bench {
+namespace {
+
+using cuda::DeviceBuffer;
+using nlohmann::json;
+
+// ---- random device data -------------------------------------------------------------------
+
+enum class Fill : int {
+  bf16,         // bf16 values uniform in [-amp, amp]
+  e4m3,         // e4m3 codes of values uniform in [-amp, amp] (saturating: never NaN)
+  ds_mla_rows,  // whole 656-byte fp8_ds_mla rows: codes, power-of-two tile scales, bf16 rope
+};
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A uniform value in [-1, 1) for element i of stream `seed`.
+__device__ __forceinline__ float uniform_pm1(uint64_t seed, uint64_t i) {
+  const uint64_t h = mix64(seed * 0x9e3779b97f4a7c15ull + i);
+  return float(h >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ uint32_t e4m3_bits(float x) {
+  return uint32_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One thread per 32-bit word, grid-stride. A ds_mla row is 164 words: 128 of codes (4 each),
+// 4 fp32 tile scales, 32 of rope (2 bf16 each).
+__global__ void fill_random_words(uint32_t* words, int64_t num_words, Fill kind, uint64_t seed,
+                                  float amp) {
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < num_words;
+       w += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t e = uint64_t(w) * 4;  // an element index with room for 4 per word
+    uint32_t bits = 0;
+    Fill k = kind;
+    if (kind == Fill::ds_mla_rows) {
+      const int in_row = int(w % 164);
+      if (in_row >= 128 && in_row < 132) {
+        // A valid power-of-two tile scale, 2^-7 .. 2^-10: decoded values stay O(1).
+        bits = __float_as_uint(exp2f(-7.0f - float(mix64(seed + e) & 3)));
+        words[w] = bits;
+        continue;
+      }
+      k = in_row < 128 ? Fill::e4m3 : Fill::bf16;
+      amp = in_row < 128 ? 448.0f : 1.0f;
+    }
+    if (k == Fill::bf16) {
+      bits = bf16_bits(amp * uniform_pm1(seed, e)) | (bf16_bits(amp * uniform_pm1(seed, e + 1)) << 16);
+    } else {
+      for (int j = 0; j < 4; ++j) bits |= e4m3_bits(amp * uniform_pm1(seed, e + j)) << (8 * j);
+    }
+    words[w] = bits;
+  }
+}
+
+void fill_random(void* ptr, size_t bytes, Fill kind, uint64_t seed, float amp, cudaStream_t s) {
+  KMLA_CHECK(bytes % 4 == 0, "random fill of ", bytes, " bytes: not a whole number of words");
+  KMLA_CHECK(kind != Fill::ds_mla_rows || bytes % 656 == 0, "fp8_ds_mla fill of ", bytes,
+             " bytes: not whole rows");
+  const int64_t words = int64_t(bytes / 4);
+  if (words == 0) return;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>(cuda::ceil_div(words, threads), 16384);
+  fill_random_words<<<unsigned(blocks), threads, 0, s>>>(static_cast<uint32_t*>(ptr), words, kind,
+                                                         seed, amp);
+  KMLA_LAUNCH_CHECK();
+}
+
+// Cache rows of `format`, random and valid (never zeros, never NaN).
+void fill_cache(void* base, int64_t rows, CacheFormat format, uint64_t seed, cudaStream_t s) {
+  const size_t bytes = size_t(rows) * cache_entry_bytes(format);
+  switch (format) {
+    case CacheFormat::bf16: fill_random(base, bytes, Fill::bf16, seed, 1.0f, s); break;
+    case CacheFormat::fp8: fill_random(base, bytes, Fill::e4m3, seed, 2.0f, s); break;
+    case CacheFormat::fp8_ds_mla: fill_random(base, bytes, Fill::ds_mla_rows, seed, 0.0f, s); break;
+    default: KMLA_CHECK(false, "bench caches are bf16, fp8 or fp8_ds_mla, got ", cache_format_name(format));
+  }
+}
+
+// ---- small RAII helpers -------------------------------------------------------------------
+
+DeviceBuffer device_alloc(size_t bytes) { return DeviceBuffer(std::max<size_t>(bytes, 256)); }
+
+template <class T>
+DeviceBuffer to_device(const std::vector<T>& v, cudaStream_t s) {
+  DeviceBuffer b = device_alloc(v.size() * sizeof(T));
+  if (!v.empty()) {
+    KMLA_CUDA_CHECK(cudaMemcpyAsync(b.data(), v.data(), v.size() * sizeof(T),
+                                    cudaMemcpyHostToDevice, s));
+    KMLA_CUDA_CHECK(cudaStreamSynchronize(s));  // v may die right after
+  }
+  return b;
+}
+
+struct StreamHandle {
+  cudaStream_t s = nullptr;
+  StreamHandle() { KMLA_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~StreamHandle() { cudaStreamDestroy(s); }
+  StreamHandle(const StreamHandle&) = delete;
+  StreamHandle& operator=(const StreamHandle&) = delete;
+};
+
+struct GraphHandle {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  GraphHandle() = default;
+  ~GraphHandle() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  GraphHandle(const GraphHandle&) = delete;
+  GraphHandle& operator=(const GraphHandle&) = delete;
+};
+
+// Times `body` (work enqueued on the stream) with CUDA events. Each timed run is preceded by
+// a memset of a buffer twice the L2 size, so no run finds the previous one's data in L2; the
+// flush is stream-ordered before the start event and so not timed.
+class Timer {
+ public:
+  Timer(cudaStream_t stream, size_t l2_bytes)
+      : stream_(stream), flush_(device_alloc(std::max<size_t>(2 * l2_bytes, size_t(64) << 20))) {
+    KMLA_CUDA_CHECK(cudaEventCreate(&start_));
+    KMLA_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~Timer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
+
+  double median_us(const std::function<void()>& body, int warmup, int iters) {
+    for (int i = 0; i < warmup; ++i) body();
+    std::vector<double> us;
+    for (int i = 0; i < std::max(iters, 1); ++i) {
+      KMLA_CUDA_CHECK(cudaMemsetAsync(flush_.data(), i & 1, flush_.bytes(), stream_));
+      KMLA_CUDA_CHECK(cudaEventRecord(start_, stream_));
+      body();
+      KMLA_CUDA_CHECK(cudaEventRecord(stop_, stream_));
+      KMLA_CUDA_CHECK(cudaEventSynchronize(stop_));
+      float ms = 0;
+      KMLA_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+      us.push_back(double(ms) * 1e3);
+    }
+    std::sort(us.begin(), us.end());
+    const size_t n = us.size();
+    return n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
+  }
+
+ private:
+  cudaStream_t stream_;
+  DeviceBuffer flush_;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// Device-to-device copy bandwidth in GB/s: a 2 GiB cudaMemcpyAsync, bytes read + written,
+// median of 10 runs.
+double measure_copy_gb_s(Timer& timer, cudaStream_t s) {
+  const size_t bytes = size_t(2) << 30;
+  DeviceBuffer src = device_alloc(bytes), dst = device_alloc(bytes);
+  KMLA_CUDA_CHECK(cudaMemsetAsync(src.data(), 1, bytes, s));  // map the pages before timing
+  KMLA_CUDA_CHECK(cudaMemsetAsync(dst.data(), 2, bytes, s));
+  const double us = timer.median_us(
+      [&] {
+        KMLA_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, s));
+      },
+      2, 10);
+  return 2.0 * double(bytes) / (us * 1e-6) / 1e9;
+}
+
+// ---- cases --------------------------------------------------------------------------------
+
+struct Result {
+  double us = 0;
+  double bytes = 0;     // 0 where bandwidth is not the measure (prefill)
+  double flops = 0;
+  double floor_us = 0;  // layer decode: (weights + cache bytes) / copy bandwidth
+  std::string error;
+};
+
+struct Context {
+  cudaStream_t stream;
+  cudaStream_t aux_stream;
+  Timer& timer;
+  int warmup, iters;
+  bool portable;
+  double copy_gb_s;
+};
+
+cuda::CacheRef device_cache_ref(void* base, CacheFormat f, int block_size, int64_t num_blocks) {
+  cuda::CacheRef r;
+  r.base = static_cast<std::byte*>(base);
+  r.block_stride = int64_t(block_size) * int64_t(cache_entry_bytes(f));
+  r.block_size = block_size;
+  r.num_blocks = num_blocks;
+  r.format = f;
+  return r;
+}
+
+int read_error_flag(const DeviceBuffer& flag, cudaStream_t s) {
+  int v = 0;
+  KMLA_CUDA_CHECK(cudaMemcpyAsync(&v, flag.data(), sizeof(int), cudaMemcpyDeviceToHost, s));
+  KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+  return v;
+}
+
+// Decode attention alone: plan_decode + decode_attention on a random cache of B * S rows in
+// randomly permuted blocks, every request with seq keys and q_len query rows.
+Result run_decode(const Case& c, Context& ctx) {
+  const cudaStream_t s = ctx.stream;
+  const int64_t blocks_each = cuda::ceil_div(c.seq, c.block_size);
+  const int64_t num_blocks = int64_t(c.batch) * blocks_each;
+  const int64_t rows = int64_t(c.batch) * c.q_len;
+  const size_t entry = cache_entry_bytes(c.format);
+  const bool q_fp8 = c.format == CacheFormat::fp8;  // plain fp8: fp8 x fp8 with q_scale
+
+  DeviceBuffer cache = device_alloc(size_t(num_blocks) * c.block_size * entry);
+  fill_cache(cache.data(), num_blocks * c.block_size, c.format, 11, s);
+  const size_t q_bytes = size_t(rows) * c.heads * kLatentDim * (q_fp8 ? 1 : 2);
+  DeviceBuffer q = device_alloc(q_bytes);
+  fill_random(q.data(), q_bytes, q_fp8 ? Fill::e4m3 : Fill::bf16, 12, q_fp8 ? 2.0f : 1.0f, s);
+  DeviceBuffer out = device_alloc(size_t(rows) * c.heads * kKvLoraRank * 2);
+  DeviceBuffer lse = device_alloc(size_t(rows) * c.heads * sizeof(float));
+  DeviceBuffer flag = device_alloc(sizeof(int));
+  KMLA_CUDA_CHECK(cudaMemsetAsync(flag.data(), 0, sizeof(int), s));
+
+  std::vector<int32_t> query_start(size_t(c.batch) + 1);
+  for (int r = 0; r <= c.batch; ++r) query_start[size_t(r)] = r * c.q_len;
+  DeviceBuffer d_tables = to_device(random_block_tables(c.batch, blocks_each, 13), s);
+  DeviceBuffer d_seq = to_device(std::vector<int32_t>(size_t(c.batch), c.seq), s);
+  DeviceBuffer d_qlen = to_device(std::vector<int32_t>(size_t(c.batch), c.q_len), s);
+  DeviceBuffer d_qstart = to_device(query_start, s);
+  DeviceBuffer d_slots = to_device(std::vector<int64_t>(size_t(rows), -1), s);  // unused
+  DeviceBuffer d_tokens = to_device(std::vector<int32_t>{int32_t(rows)}, s);
+
+  cuda::DecodeParams p;
+  p.q = q.data();
+  p.q_fp8 = q_fp8;
+  p.q_scale = 1.0f;
+  p.cache = device_cache_ref(cache.data(), c.format, c.block_size, num_blocks);
+  p.batch.block_tables = static_cast<const int32_t*>(d_tables.data());
+  p.batch.seq_lens = static_cast<const int32_t*>(d_seq.data());
+  p.batch.query_lens = static_cast<const int32_t*>(d_qlen.data());
+  p.batch.query_start = static_cast<const int32_t*>(d_qstart.data());
+  p.batch.slot_mapping = static_cast<const int64_t*>(d_slots.data());
+  p.batch.num_tokens = static_cast<const int32_t*>(d_tokens.data());
+  p.batch.num_requests = c.batch;
+  p.batch.max_blocks = int(blocks_each);
+  p.batch.num_rows = rows;
+  p.heads = c.heads;
+  p.causal = c.causal;
+  p.softmax_scale = float(1.0 / std::sqrt(double(kQkHeadDim)));
+  p.act = DType::bf16;
+  p.out = out.data();
+  p.lse = static_cast<float*>(lse.data());
+  p.error_flag = static_cast<int*>(flag.data());
+
+  const cuda::DecodePlan plan = cuda::plan_decode(c.batch, c.heads, c.q_len, c.seq, ctx.portable);
+  DeviceBuffer ws = device_alloc(plan.workspace_bytes);
+  KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+
+  Result r;
+  r.us = ctx.timer.median_us([&] { cuda::decode_attention(p, plan, ws.data(), s); }, ctx.warmup,
+                             ctx.iters);
+  const int err = read_error_flag(flag, s);
+  KMLA_CHECK(err == 0, "decode attention raised device error flag ", err, " (harness bug?)");
+  r.bytes = decode_bytes(c.batch, c.seq, c.format);
+  r.flops = decode_flops(c.batch, c.q_len, c.heads, c.seq);
+  return r;
+}
+
+// Prefill attention alone, one sequence of T tokens, laid out as the layer has them: q
+// [T, H, 192]; k_nope and v the two halves of kv_b's output [T, H, 256]; k_rope [T, 64]
+// shared by every head.
+Result run_prefill(const Case& c, Context& ctx) {
+  const cudaStream_t s = ctx.stream;
+  const int64_t t = c.tokens, h = c.heads;
+  DeviceBuffer q = device_alloc(size_t(t * h * kQkHeadDim) * 2);
+  DeviceBuffer kv = device_alloc(size_t(t * h * kKvBOut) * 2);
+  DeviceBuffer k_rope = device_alloc(size_t(t * kRopeDim) * 2);
+  DeviceBuffer out = device_alloc(size_t(t * h * kVDim) * 2);
+  DeviceBuffer lse = device_alloc(size_t(t * h) * sizeof(float));
+  fill_random(q.data(), size_t(t * h * kQkHeadDim) * 2, Fill::bf16, 21, 1.0f, s);
+  fill_random(kv.data(), size_t(t * h * kKvBOut) * 2, Fill::bf16, 22, 1.0f, s);
+  fill_random(k_rope.data(), size_t(t * kRopeDim) * 2, Fill::bf16, 23, 1.0f, s);
+  DeviceBuffer cu = to_device(std::vector<int32_t>{0, int32_t(t)}, s);
+
+  const auto* kv_base = static_cast<const cuda::bf16*>(kv.data());
+  cuda::PrefillParams p;
+  p.q = {q.data(), h * kQkHeadDim, kQkHeadDim};
+  p.k_nope = {kv_base, h * kKvBOut, kKvBOut};
+  p.v = {kv_base + kNopeDim, h * kKvBOut, kKvBOut};
+  p.k_rope = {k_rope.data(), kRopeDim, 0};
+  p.out = out.data();
+  p.out_row_stride = h * kVDim;
+  p.out_head_stride = kVDim;
+  p.lse = static_cast<float*>(lse.data());
+  p.lse_row_stride = h;
+  p.heads = c.heads;
+  p.cu_q = static_cast<const int32_t*>(cu.data());
+  p.cu_k = p.cu_q;
+  p.num_seqs = 1;
+  p.max_q_len = int(t);
+  p.causal = c.causal;
+  p.softmax_scale = float(1.0 / std::sqrt(double(kQkHeadDim)));
+  p.act = DType::bf16;
+  p.portable = ctx.portable;
+  KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+
+  Result r;
+  r.us = ctx.timer.median_us([&] { cuda::prefill_attention(p, s); }, ctx.warmup, ctx.iters);
+  r.flops = prefill_flops(h, prefill_pairs(t, c.causal));
+  return r;
+}
+
+// Everything one layer call needs in device memory: a random cache in permuted blocks, the
+// planned batch, positions, hidden states and the output.
+struct LayerInputs {
+  BatchMetadata md;
+  DeviceBuffer cache_memory;
+  LatentCache cache;
+  DeviceBuffer positions, hidden, out;
+};
+
+LayerInputs make_layer_inputs(const Case& c, const MlaConfig& cfg, std::vector<RequestSpec> reqs,
+                              int64_t num_blocks, int decode_threshold, cudaStream_t s) {
+  LayerInputs in;
+  const size_t entry = cache_entry_bytes(c.format);
+  in.cache_memory = device_alloc(size_t(num_blocks) * c.block_size * entry);
+  fill_cache(in.cache_memory.data(), num_blocks * c.block_size, c.format, 31, s);
+  in.cache = LatentCache::borrow(in.cache_memory.data(), Device::cuda, c.format, c.block_size,
+                                 num_blocks, int64_t(c.block_size) * int64_t(entry));
+  BatchOptions bo;
+  bo.decode_threshold = decode_threshold;
+  bo.non_causal_decode = cfg.non_causal_multi_token_decode;
+  in.md = plan_batch(reqs, in.cache.geometry(), bo);
+  const int64_t rows = in.md.num_rows;
+  in.positions = to_device(in.md.positions, s);
+  in.hidden = device_alloc(size_t(rows) * cfg.hidden_size * 2);
+  fill_random(in.hidden.data(), size_t(rows) * cfg.hidden_size * 2, Fill::bf16, 32, 1.0f, s);
+  in.out = device_alloc(size_t(rows) * cfg.hidden_size * 2);
+  KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+  return in;
+}
+
+TensorView device_view(const DeviceBuffer& b, DType t, std::initializer_list<int64_t> dims) {
+  return TensorView(b.data(), t, dims, Device::cuda);
+}
+
+// A whole-layer decode step of B requests of seq keys (the last q_len of them new), planned
+// against a DecodeShape, captured once in a CUDA graph and timed as graph replays.
+Result run_layer_decode(const Case& c, Context& ctx) {
+  const cudaStream_t s = ctx.stream;
+  const MlaConfig cfg = layer_config(c);
+  const MlaWeights weights = MlaWeights::random(cfg, 41);
+  cuda::LayerOptions lo;
+  lo.portable = ctx.portable;
+  lo.aux_stream = ctx.aux_stream;
+  cuda::Layer layer(cfg, weights, lo);
+
+  const int64_t blocks_each = cuda::ceil_div(c.seq, c.block_size);
+  const std::vector<int32_t> ids = random_block_tables(c.batch, blocks_each, 42);
+  std::vector<RequestSpec> reqs(size_t(c.batch));
+  for (int r = 0; r < c.batch; ++r) {
+    reqs[size_t(r)].query_len = c.q_len;
+    reqs[size_t(r)].context_len = c.seq - c.q_len;
+    reqs[size_t(r)].block_table.assign(ids.begin() + r * blocks_each, ids.begin() + (r + 1) * blocks_each);
+  }
+  LayerInputs in = make_layer_inputs(c, cfg, reqs, int64_t(c.batch) * blocks_each, c.q_len, s);
+  const int64_t rows = in.md.num_rows;
+
+  cuda::DecodeShape shape;
+  shape.max_requests = c.batch;
+  shape.max_query_len = c.q_len;
+  shape.max_blocks = int(blocks_each);
+  shape.max_seq_len = c.seq;
+  const cuda::Plan plan = layer.plan(in.md, in.cache, &shape);
+  KMLA_CHECK(plan.graph_safe(), "the layer's decode plan is not graph-safe");
+  DeviceBuffer ws = device_alloc(plan.workspace_bytes());
+  layer.upload(plan, ws.data(), s);
+  const TensorView positions = device_view(in.positions, DType::i64, {rows});
+  const TensorView hidden = device_view(in.hidden, DType::bf16, {rows, cfg.hidden_size});
+  const TensorView out = device_view(in.out, DType::bf16, {rows, cfg.hidden_size});
+
+  // One eager run first: lazy initialization (cuBLASLt heuristics) must not happen during capture.
+  layer.run(plan, positions, hidden, in.cache, out, ws.data(), s);
+  KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+
+  GraphHandle g;
+  KMLA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  try {
+    layer.run(plan, positions, hidden, in.cache, out, ws.data(), s);
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(s, &broken);  // leave the stream usable for the next case
+    if (broken) cudaGraphDestroy(broken);
+    throw;
+  }
+  KMLA_CUDA_CHECK(cudaStreamEndCapture(s, &g.graph));
+  KMLA_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
+  KMLA_CUDA_CHECK(cudaGraphUpload(g.exec, s));
+
+  Result r;
+  r.us = ctx.timer.median_us([&] { KMLA_CUDA_CHECK(cudaGraphLaunch(g.exec, s)); }, ctx.warmup,
+                             ctx.iters);
+  layer.check_errors(s);
+  const double cache_bytes = decode_bytes(c.batch, c.seq, c.format);
+  r.bytes = weight_bytes(weights) + cache_bytes;
+  r.floor_us = r.bytes / (ctx.copy_gb_s * 1e9) * 1e6;
+  r.flops = layer_projection_flops(cfg, rows, true) +
+            decode_flops(c.batch, c.q_len, cfg.local_heads(), c.seq);
+  return r;
+}
+
+// A whole-layer prefill of one fresh request of T tokens (no context), timed as plain runs.
+Result run_layer_prefill(const Case& c, Context& ctx) {
+  const cudaStream_t s = ctx.stream;
+  const MlaConfig cfg = layer_config(c);
+  const MlaWeights weights = MlaWeights::random(cfg, 51);
+  cuda::LayerOptions lo;
+  lo.portable = ctx.portable;
+  lo.aux_stream = ctx.aux_stream;
+  cuda::Layer layer(cfg, weights, lo);
+
+  const int64_t blocks = cuda::ceil_div(c.tokens, c.block_size);
+  std::vector<RequestSpec> reqs(1);
+  reqs[0].query_len = c.tokens;
+  reqs[0].context_len = 0;
+  const std::vector<int32_t> ids = random_block_tables(1, blocks, 52);
+  reqs[0].block_table = ids;
+  LayerInputs in = make_layer_inputs(c, cfg, reqs, blocks, 1, s);
+  const int64_t rows = in.md.num_rows;
+
+  const cuda::Plan plan = layer.plan(in.md, in.cache);
+  DeviceBuffer ws = device_alloc(plan.workspace_bytes());
+  layer.upload(plan, ws.data(), s);
+  const TensorView positions = device_view(in.positions, DType::i64, {rows});
+  const TensorView hidden = device_view(in.hidden, DType::bf16, {rows, cfg.hidden_size});
+  const TensorView out = device_view(in.out, DType::bf16, {rows, cfg.hidden_size});
+
+  Result r;
+  r.us = ctx.timer.median_us(
+      [&] { layer.run(plan, positions, hidden, in.cache, out, ws.data(), s); }, ctx.warmup, ctx.iters);
+  layer.check_errors(s);
+  r.flops = layer_projection_flops(cfg, rows, false) +
+            prefill_flops(cfg.local_heads(), prefill_pairs(c.tokens, true));
+  return r;
+}
+
+Result run_case(const Case& c, Context& ctx) {
+  Result r;
+  try {
+    switch (c.kind) {
+      case Kind::decode: r = run_decode(c, ctx); break;
+      case Kind::prefill: r = run_prefill(c, ctx); break;
+      case Kind::layer_decode: r = run_layer_decode(c, ctx); break;
+      case Kind::layer_prefill: r = run_layer_prefill(c, ctx); break;
+    }
+    KMLA_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // late faults belong to this case
+  } catch (const std::exception& e) {
+    r = Result{};
+    r.error = e.what();
+  }
+  return r;
+}
+
+// ---- reporting ----------------------------------------------------------------------------
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+double tb_s(const Result& r) { return r.bytes > 0 && r.us > 0 ? r.bytes / (r.us * 1e-6) / 1e12 : 0; }
+double tflops(const Result& r) { return r.flops > 0 && r.us > 0 ? r.flops / (r.us * 1e-6) / 1e12 : 0; }
+
+json case_json(const Case& c, const Result& r, double copy_gb_s) {
+  json j;
+  j["name"] = c.name;
+  j["kind"] = kind_name(c.kind);
+  if (c.kind == Kind::decode || c.kind == Kind::layer_decode) {
+    j["batch"] = c.batch;
+    j["seq"] = c.seq;
+    j["q_len"] = c.q_len;
+    j["block_size"] = c.block_size;
+  } else {
+    j["tokens"] = c.tokens;
+  }
+  if (c.kind != Kind::prefill) j["cache_format"] = cache_format_name(c.format);
+  j["heads"] = c.heads;
+  j["causal"] = c.causal;
+  if (c.kind == Kind::layer_decode || c.kind == Kind::layer_prefill) {
+    j["model"] = c.model;
+    j["tp"] = c.tp;
+  }
+  if (!r.error.empty()) {
+    j["error"] = r.error;
+    return j;
+  }
+  j["us"] = r.us;
+  j["flops"] = r.flops;
+  j["tflops"] = tflops(r);
+  if (r.bytes > 0) {
+    j["bytes"] = r.bytes;
+    j["tb_s"] = tb_s(r);
+    j["frac_copy_bw"] = tb_s(r) * 1e3 / copy_gb_s;
+  } else {
+    j["tb_s"] = nullptr;
+    j["frac_copy_bw"] = nullptr;
+  }
+  if (r.floor_us > 0) {
+    j["floor_us"] = r.floor_us;
+    j["floor_ratio"] = r.us / r.floor_us;
+  }
+  return j;
+}
+
+void print_row(std::ostream& out, const Case& c, const Result& r, double copy_gb_s) {
+  char buf[512];
+  if (!r.error.empty()) {
+    std::snprintf(buf, sizeof buf, "%-56s  FAILED: %s\n", c.name.c_str(), r.error.c_str());
+  } else {
+    char bw[16] = "      -", frac[16] = "     -", note[96] = "";
+    if (r.bytes > 0) {
+      std::snprintf(bw, sizeof bw, "%7.3f", tb_s(r));
+      std::snprintf(frac, sizeof frac, "%5.1f%%", 100.0 * tb_s(r) * 1e3 / copy_gb_s);
+    }
+    if (r.floor_us > 0)
+      std::snprintf(note, sizeof note, "floor %.1f us, %.3fx floor", r.floor_us, r.us / r.floor_us);
+    std::snprintf(buf, sizeof buf, "%-56s %10.1f %s %8.1f  %s  %s\n", c.name.c_str(), r.us, bw,
+                  tflops(r), frac, note);
+  }
+  out << buf << std::flush;
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o, std::ostream& out) {
+  KMLA_CHECK(o.iters >= 1, "bench iters ", o.iters, " < 1");
+  KMLA_CHECK(o.warmup >= 0, "bench warmup ", o.warmup, " < 0");
+  std::vector<Case> cases = o.kind.empty() ? standard_cases() : std::vector<Case>{custom_case(o)};
+  if (!o.only.empty())
+    std::erase_if(cases, [&](const Case& c) { return c.name.find(o.only) == std::string::npos; });
+  KMLA_CHECK(!cases.empty(), "no bench case matches '", o.only, "'");
+
+  int device = 0, count = 0;
+  KMLA_CHECK(cudaGetDeviceCount(&count) == cudaSuccess && count > 0, "kmla bench needs a CUDA GPU");
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  KMLA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+
+  StreamHandle stream, aux;
+  Timer timer(stream.s, size_t(prop.l2CacheSize));
+  const double copy_gb_s = measure_copy_gb_s(timer, stream.s);
+  Context ctx{stream.s, aux.s, timer, o.warmup, o.iters, o.portable, copy_gb_s};
+  const std::string date = utc_now();
+
+  if (!o.json) {
+    char head[512];
+    std::snprintf(head, sizeof head,
+                  "kmla bench: %s, %d SMs, %s; copy bandwidth %.1f GB/s (2 GiB D2D, read+write, "
+                  "median of 10); median of %d runs, L2 flushed%s\n",
+                  prop.name, prop.multiProcessorCount, date.c_str(), copy_gb_s, o.iters,
+                  o.portable ? "; portable kernels" : "");
+    out << head;
+    std::snprintf(head, sizeof head, "%-56s %10s %7s %8s  %6s  %s\n", "case", "us", "TB/s",
+                  "TFLOP/s", "copy", "");
+    out << head << std::flush;
+  }
+
+  json results = json::array();
+  bool all_ok = true;
+  for (const Case& c : cases) {
+    const Result r = run_case(c, ctx);
+    all_ok = all_ok && r.error.empty();
+    if (o.json) results.push_back(case_json(c, r, copy_gb_s));
+    else print_row(out, c, r, copy_gb_s);
+  }
+
+  if (o.json) {
+    json doc;
+    doc["device"] = prop.name;
+    doc["sm_count"] = prop.multiProcessorCount;
+    doc["compute_capability"] = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    doc["date"] = date;
+    doc["copy_bandwidth_gb_s"] = copy_gb_s;
+    doc["iters"] = o.iters;
+    doc["warmup"] = o.warmup;
+    doc["portable"] = o.portable;
+    doc["cases"] = std::move(results);
+    out << doc.dump(2) << "\n";
+  }
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace kmla::bench

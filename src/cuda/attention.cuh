@@ -1,0 +1,94 @@
+// The attention kernels of the CUDA backend: absorbed MQA decode over the paged latent
+// cache (split-KV + combine) and variable-length prefill attention (qk 192 / v 128).
+// Both run on the tensor cores; `portable` forces the sm_80 code path on any GPU.
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace kmla::cuda {
+
+// ---- decode -----------------------------------------------------------------------
+// Absorbed MQA for the decode requests [0, batch.num_requests) of `batch` (request r's
+// query rows are [query_start[r], query_start[r] + query_lens[r]), its keys the first
+// seq_lens[r] cache rows through its block table). Row i (0-based) of a request of n query
+// rows sees keys [0, seq_len - (n - 1 - i)) when causal, all seq_len keys otherwise.
+//
+// q:   [rows, heads, 576] = [ql_nope 512 | q_pe 64] in the activation dtype, or e4m3 codes
+//      when q_fp8 (plain fp8 cache: value = code * q_scale).
+// out: [rows, heads, 512] in the activation dtype (one rounding of the fp32 result);
+// lse: [rows, heads] fp32, natural log of sum(exp(scale * s)); a row with no keys gets
+//      zeros and -inf.
+// Rows of requests with query_len 0 are not touched.
+struct DecodeParams {
+  const void* q = nullptr;
+  bool q_fp8 = false;
+  float q_scale = 1.0f;
+  CacheRef cache;
+  DeviceBatch batch;
+  int heads = 0;
+  bool causal = true;
+  float softmax_scale = 1.0f;
+  DType act = DType::bf16;  // dtype of out (and of q unless q_fp8)
+  void* out = nullptr;
+  float* lse = nullptr;
+  int* error_flag = nullptr;  // raised (kErrBadBlockId) for a block id outside the cache
+};
+
+// Launch configuration fixed at plan time from the batch's *shape*, so a CUDA graph
+// captured with one plan replays correctly with other lengths of the same shape.
+struct DecodePlan {
+  int num_splits = 1;     // KV splits per request (each split covers ceil(seq/num_splits))
+  int max_query_len = 1;  // largest query_len any request may have in this shape
+  int rows_per_cta = 16;  // (token, head) rows per CTA tile
+  bool portable = false;
+  size_t workspace_bytes = 0;  // partial outputs and LSEs of the splits
+};
+
+// Chooses the split count etc. for `num_requests` decode requests of at most
+// `max_query_len` query rows and `max_seq_len` keys, on the current device.
+DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
+                       bool portable);
+
+// Runs decode attention. `workspace` holds plan.workspace_bytes (256-byte aligned).
+// Never allocates or synchronizes.
+void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                      cudaStream_t stream);
+
+// ---- prefill ------------------------------------------------------------------------
+// A [rows, heads, dim] operand with element strides: element (t, h, d) is at
+// ptr[t * row_stride + h * head_stride + d]. head_stride may be 0 (shared by all heads).
+struct Operand {
+  const void* ptr = nullptr;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+};
+
+// Variable-length attention for `heads` heads. Sequence s has queries [cu_q[s], cu_q[s+1])
+// and keys [cu_k[s], cu_k[s+1]) (device int32 arrays of num_seqs + 1). The key is
+// [k_nope (128) | k_rope (64)], the value 128 wide. causal: bottom-right aligned (query i of
+// n sees keys [0, m - n + i]). Inputs in the activation dtype; out [*, heads, 128] in it
+// (one rounding); lse fp32 at lse[t * lse_row_stride + h], natural log; a query row that sees
+// no keys gets zeros and -inf.
+struct PrefillParams {
+  Operand q;       // 192 wide
+  Operand k_nope;  // 128 wide
+  Operand k_rope;  // 64 wide (head_stride 0 when shared by all heads)
+  Operand v;       // 128 wide
+  void* out = nullptr;
+  int64_t out_row_stride = 0, out_head_stride = 0;
+  float* lse = nullptr;
+  int64_t lse_row_stride = 0;
+  int heads = 0;
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int num_seqs = 0;
+  int max_q_len = 0;  // host-side bound for the grid
+  bool causal = true;
+  float softmax_scale = 1.0f;
+  DType act = DType::bf16;
+  bool portable = false;
+};
+
+void prefill_attention(const PrefillParams& p, cudaStream_t stream);
+
+}  // namespace kmla::cuda

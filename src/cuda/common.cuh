@@ -1,0 +1,116 @@
+// Shared by every CUDA translation unit of the backend: error checks that throw
+// kmla::Error, the activation element types, scalar conversions usable in kernels, and
+// the device error flag. Internal: the public headers never include CUDA headers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kmla/cache.hpp"
+#include "kmla/error.hpp"
+#include "kmla/numeric.hpp"
+#include "kmla/tensor.hpp"
+
+// Throws kmla::Error naming the call and the CUDA error when `expr` fails.
+#define KMLA_CUDA_CHECK(expr)                                                              \
+  do {                                                                                     \
+    const cudaError_t kmla_err_ = (expr);                                                  \
+    if (kmla_err_ != cudaSuccess)                                                          \
+      ::kmla::detail::fail(__FILE__, __LINE__, #expr, "CUDA error ",                       \
+                           cudaGetErrorName(kmla_err_), ": ", cudaGetErrorString(kmla_err_)); \
+  } while (0)
+
+// After every kernel launch: a bad configuration surfaces here, not at a later sync.
+#define KMLA_LAUNCH_CHECK() KMLA_CUDA_CHECK(cudaGetLastError())
+
+namespace kmla::cuda {
+
+using bf16 = __nv_bfloat16;
+using fp16 = __half;
+
+// Bits of the device error flag (an int in device memory that kernels OR into). A set bit
+// means a kernel refused a write; nothing was written out of bounds.
+enum DeviceErrorBits : int {
+  kErrBadSlot = 1,       // a cache slot outside the cache
+  kErrBadBlockId = 2,    // a block table entry outside the cache
+  kErrBadPosition = 4,   // a position outside the RoPE table
+};
+
+__device__ inline void raise_error(int* flag, int bit) {
+  if (flag) atomicOr(flag, bit);
+}
+
+// Activation element type <-> fp32. Conversions to 16-bit round to nearest even.
+template <class T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<bf16>(bf16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_float<fp16>(fp16 x) { return __half2float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ fp16 from_float<fp16>(float x) { return __float2half_rn(x); }
+// x rounded to T and read back (the semantics' "round to act").
+template <class T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// e4m3 code -> fp32, exact.
+__device__ __forceinline__ float e4m3_value(uint8_t c) {
+  __nv_fp8_e4m3 v;
+  v.__x = c;
+  return float(v);
+}
+
+// Calls fn.template operator()<T>() with T the element type of activation dtype `act`
+// (bf16 or f16); anything else throws.
+template <class Fn>
+void dispatch_act(DType act, Fn&& fn) {
+  if (act == DType::bf16) {
+    fn.template operator()<bf16>();
+  } else {
+    KMLA_CHECK(act == DType::f16, "CUDA kernels take bf16 or f16 activations, got ", dtype_name(act));
+    fn.template operator()<fp16>();
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The paged latent cache as kernels see it.
+struct CacheRef {
+  std::byte* base = nullptr;
+  int64_t block_stride = 0;  // bytes
+  int block_size = 0;
+  int64_t num_blocks = 0;
+  CacheFormat format = CacheFormat::bf16;
+  float k_scale = 1.0f;       // plain fp8: stored = x / k_scale
+  TileScaleRule tile_rule = TileScaleRule::power_of_two;
+
+  __host__ __device__ int64_t num_slots() const { return num_blocks * block_size; }
+  __host__ __device__ std::byte* row(int64_t slot) const {
+    return base + (slot / block_size) * block_stride +
+           (slot % block_size) * int64_t(cache_entry_bytes_hd(format));
+  }
+  __host__ __device__ static size_t cache_entry_bytes_hd(CacheFormat f) {
+    return f == CacheFormat::fp8 ? 576 : f == CacheFormat::fp8_ds_mla ? 656 : 1152;
+  }
+};
+
+CacheRef cache_ref(const LatentCache& cache);
+
+// A batch's request metadata in device memory, in the layout order of BatchMetadata.
+// Arrays are sized for a captured capacity; request slots past the real ones have
+// query_len 0 and seq_len 0, rows past the real ones have slot -1.
+struct DeviceBatch {
+  const int32_t* block_tables = nullptr;  // [num_requests, max_blocks]
+  const int32_t* seq_lens = nullptr;      // [num_requests] context + query
+  const int32_t* query_lens = nullptr;    // [num_requests]
+  const int32_t* query_start = nullptr;   // [num_requests + 1] first row of each request
+  const int64_t* slot_mapping = nullptr;  // [num_rows], -1 = no write
+  const int32_t* num_tokens = nullptr;    // device scalar: real rows (the rest is padding)
+  int num_requests = 0;
+  int max_blocks = 0;
+  int64_t num_rows = 0;
+};
+
+}  // namespace kmla::cuda

@@ -1,0 +1,749 @@
+// Absorbed-MQA decode over the paged latent cache: split-KV flash decoding on the tensor
+// cores (mma.sync m16n8k16 + ldmatrix + cp.async), plus the LSE combine of the splits.
+//
+// One CTA handles one (request, KV split, tile of ROWS (token, head) query rows). The same
+// code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both, and every
+// shared-memory budget below fits sm_80's 163 KB per block. DecodePlan::portable therefore
+// only reaches the plan (it changes nothing today); a Hopper-only kernel would key on it.
+//
+// Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
+// activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
+// f16; fp8_ds_mla as bf16(code * tile_scale), then T). S = Q K^T accumulates in fp32; the
+// plain-fp8 scales (q_scale, k_scale) are folded into the fp32 score scale and into the
+// fp32 output scale, so the 16-bit mma on the codes equals an fp8 mma with fp32
+// accumulation. The softmax is fp32 (online, base 2). P is rounded to T for the P V mma
+// (the usual flash-attention choice; the row sum l uses the unrounded fp32 p). The output
+// is rounded to T once: directly when there is one split, else in the combine kernel from
+// fp32 partials.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "cuda/attention.cuh"
+#include "kmla/config.hpp"
+
+namespace kmla::cuda {
+
+namespace {
+
+constexpr int kKeyTile = 32;                // keys per pipeline stage
+constexpr int kStages = 2;                  // cp.async stages of key tiles
+constexpr int kRowBytes = kLatentDim * 2;   // one 576-wide row in T: 1152 B
+constexpr int kRowChunks = kRowBytes / 16;  // 72 chunks of 16 B
+constexpr int kPStride = kKeyTile + 8;      // P row stride (elements): 80 B, conflict-free
+constexpr int kMaxSplits = 32;              // the combine gives one lane per split
+constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- shared-memory plan ----------------------------------------------------------
+// Byte offsets inside the dynamic shared memory of one CTA. raw_entry_bytes is 0 for a
+// 16-bit cache (tiles are copied straight into the T layout, kStages of them) and the fp8
+// entry size (576 or 656) otherwise (kStages raw tiles + one converted T tile).
+//   rows = 16: Q 18,432 + tiles 73,728 + P 1,280 + flags 64 + reductions 512 = 94,016 B
+//   rows = 64: Q 73,728 + tiles 73,728 + P 5,120 + flags 64 + reductions 2,048 = 154,688 B
+//   rows = 64, fp8_ds_mla: Q 73,728 + T tile 36,864 + raw 41,984 + ... = 159,808 B
+// (sm_80 allows 166,912 B per block; H200 fits two rows-16 CTAs per SM.)
+struct SmemPlan {
+  int q = 0, tiles = 0, raw = 0, p = 0, key_ok = 0, red_max = 0, red_sum = 0, total = 0;
+};
+
+__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes) {
+  SmemPlan s;
+  int off = 0;
+  s.q = off;
+  off += rows * kRowBytes;  // Q [rows][576] T, swizzled
+  s.tiles = off;
+  off += (raw_entry_bytes ? 1 : kStages) * kKeyTile * kRowBytes;  // K=V tiles [32][576] T
+  s.raw = off;
+  off += raw_entry_bytes ? kStages * kKeyTile * raw_entry_bytes : 0;  // raw fp8 rows
+  s.p = off;
+  off += rows * kPStride * 2;  // P [rows][32 (+8 pad)] T
+  s.key_ok = off;
+  off += kStages * kKeyTile;  // per stage: key loaded (inside the split, good block id)
+  s.red_max = off;
+  off += rows * 4 * 4;  // [row group][key slice][16] fp32 partial row maxima
+  s.red_sum = off;
+  off += rows * 4 * 4;  // same for the final row sums
+  s.total = off;
+  return s;
+}
+
+// What the kernel needs, flattened from DecodeParams / DecodePlan on the host.
+struct DecodeArgs {
+  const void* q;  // [rows, heads, 576] T, or e4m3 codes when q_fp8
+  bool q_fp8;
+  const std::byte* cache_base;  // block b at cache_base + b * block_stride
+  int64_t block_stride;         // bytes
+  int64_t num_blocks;
+  int block_size;
+  int entry_bytes;  // 1152, 576 or 656
+  CacheFormat format;
+  const int32_t* block_tables;  // [num_requests, max_blocks]
+  const int32_t* seq_lens;      // [num_requests]
+  const int32_t* query_lens;    // [num_requests]
+  const int32_t* query_start;   // [num_requests + 1]
+  int max_blocks;
+  int num_requests;
+  int heads;
+  bool causal;
+  float score_scale_log2;  // softmax_scale (* q_scale * k_scale on plain fp8) * log2(e)
+  float v_scale;           // k_scale on the plain fp8 cache, else 1
+  void* out;               // [rows, heads, 512] T
+  float* lse;              // [rows, heads]
+  int* error_flag;
+  int num_splits;
+  int max_rows;   // plan.max_query_len * heads: workspace rows per request
+  float* ws_o;    // [num_requests, max_rows, num_splits, 512] fp32 (normalised partials)
+  float* ws_lse;  // [num_requests, max_rows, num_splits] natural log, -inf = empty
+};
+
+// ---- small device helpers -----------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; when !valid nothing is read and the destination is zero-filled.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a (16x16, row) * b (16x8, col), fp32 accumulate.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats rounded to T, packed (first in the low half).
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float x, float y) {
+  const T lo = from_float<T>(x), hi = from_float<T>(y);
+  return uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
+         (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+}
+
+// 8 e4m3 codes -> 8 T values, exact (e4m3 -> f16 is exact, f16 -> float -> bf16 too).
+template <class T>
+__device__ __forceinline__ uint4 e4m3x8_to_act(uint2 codes) {
+  uint32_t w[4];
+  const uint32_t in[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = __nv_fp8x2_storage_t((in[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    if constexpr (std::is_same_v<T, fp16>) {
+      w[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
+    } else {
+      const float2 f = __half22float2(__half2(h));
+      w[i] = pack2<bf16>(f.x, f.y);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 fp8_ds_mla kv codes -> T: bf16(float(code) * scale) (the gather's rounding), then T.
+template <class T>
+__device__ __forceinline__ uint4 e4m3x8_scaled_to_act(uint2 codes, float scale) {
+  uint32_t w[4];
+  const uint32_t in[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = __nv_fp8x2_storage_t((in[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    w[i] = pack2<T>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 bf16 -> 8 T.
+template <class T>
+__device__ __forceinline__ uint4 bf16x8_to_act(uint4 v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return v;
+  } else {
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xFFFF0000u);
+      w[i] = pack2<fp16>(lo, hi);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Byte offset of 16-byte chunk c of row `row` in a [*][576] T tile. XOR-ing the chunk's
+// low three bits with the row's keeps every ldmatrix phase (8 rows, one chunk column)
+// on eight distinct bank groups; 72 chunks = 9 groups of 8, so a chunk stays in its row.
+__device__ __forceinline__ uint32_t swz(int row, int c) {
+  return uint32_t(row * kRowBytes + ((c ^ (row & 7)) << 4));
+}
+
+// ---- the split-KV kernel ------------------------------------------------------------
+// Warps: (ROWS / 16) row groups x 4 key/column slices; warp w works on query rows
+// [16 g, 16 g + 16) of the tile (g = w / 4) and slice c = w % 4:
+//   S = Q K^T: keys [8c, 8c + 8) of the 32-key tile, 576 deep (36 k-steps, two
+//              accumulator chains for ILP);
+//   softmax:   row maxima of the 4 slices exchanged through shared memory, so all 4 warps
+//              of a row group keep the identical running max m (and hence the identical
+//              rescale factor); each warp keeps its own partial row sum l, added up at the
+//              end;
+//   O += P V:  output columns [128c, 128c + 128) for its 16 rows: 16 n-tiles x 4 fp32 =
+//              64 accumulator registers per thread.
+// Pipeline per 32-key tile t (2 stages; fp8 formats stage raw bytes and convert):
+//   sync; issue cp.async of tile t+1 (block id prefetched one tile earlier); wait tile t;
+//   sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale, P -> smem; sync; PV.
+// Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
+// (512 threads) is capped at 128 registers by the launch bounds.
+template <class T, int ROWS, bool kConvert>
+__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
+    decode_splitkv_kernel(const DecodeArgs a) {
+  constexpr int kWarps = ROWS / 16 * 4;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kThreadsPerKey = kThreads / kKeyTile;
+  extern __shared__ __align__(128) std::byte smem[];
+
+  const int r = blockIdx.z, split = blockIdx.y;
+  const int row0 = blockIdx.x * ROWS;  // first (token * heads + head) row of the tile
+  const int qlen = a.query_lens[r];
+  // Rows past plan.max_query_len (a caller breaking the plan) are not computed: the grid
+  // and the workspace only cover max_rows per request.
+  const int nrows = min(qlen * a.heads, a.max_rows);
+  if (row0 >= nrows) return;  // padded request slot (qlen 0) or past this request's rows
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2, slice = warp & 3;
+  const int seq = a.seq_lens[r];
+  // Keys visible to local row `row` (0 for rows past the request).
+  auto key_count = [&](int row) -> int {
+    if (row >= nrows) return 0;
+    const int token = row / a.heads;
+    return max(0, a.causal ? seq - (qlen - 1 - token) : seq);
+  };
+  // The tile's last valid row sees the most keys; split that range into tile-aligned parts.
+  const int kmax = key_count(min(nrows, row0 + ROWS) - 1);
+  const int tiles_all = (kmax + kKeyTile - 1) / kKeyTile;
+  const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
+  const int key0 = split * tiles_per_split * kKeyTile;
+  const int key1 = min(kmax, key0 + tiles_per_split * kKeyTile);
+  const int ntiles = key1 > key0 ? (key1 - key0 + kKeyTile - 1) / kKeyTile : 0;
+
+  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0);
+  std::byte* const q_s = smem + sp.q;
+  std::byte* const tiles_s = smem + sp.tiles;
+  std::byte* const raw_s = smem + sp.raw;
+  std::byte* const p_s = smem + sp.p;
+  uint8_t* const key_ok_s = reinterpret_cast<uint8_t*>(smem + sp.key_ok);
+  float* const red_max = reinterpret_cast<float*>(smem + sp.red_max);
+  float* const red_sum = reinterpret_cast<float*>(smem + sp.red_sum);
+
+  // ---- Q tile -> shared memory (T, swizzled; rows past the request are zero) ----
+  const int64_t out_row0 = int64_t(a.query_start[r]) * a.heads + row0;
+  if (!a.q_fp8) {
+    const std::byte* q = static_cast<const std::byte*>(a.q) + out_row0 * kRowBytes;
+    for (int i = tid; i < ROWS * kRowChunks; i += kThreads) {
+      const int row = i / kRowChunks, c = i % kRowChunks;
+      const bool ok = row0 + row < nrows;
+      cp_async16(smem_addr(q_s + swz(row, c)), ok ? q + row * kRowBytes + c * 16 : a.q, ok);
+    }
+  } else {
+    const uint8_t* q = static_cast<const uint8_t*>(a.q) + out_row0 * kLatentDim;
+    for (int i = tid; i < ROWS * kRowChunks; i += kThreads) {
+      const int row = i / kRowChunks, c = i % kRowChunks;
+      const uint2 codes = row0 + row < nrows
+                              ? *reinterpret_cast<const uint2*>(q + row * kLatentDim + c * 8)
+                              : make_uint2(0, 0);
+      *reinterpret_cast<uint4*>(q_s + swz(row, c)) = e4m3x8_to_act<T>(codes);
+    }
+  }
+
+  // ---- key tile loader: thread -> (key, part); each key's row is copied by
+  // kThreadsPerKey threads, which needs one block-table lookup per thread and tile ----
+  const int my_key = tid / kThreadsPerKey, my_part = tid % kThreadsPerKey;
+  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
+  auto fetch_block = [&](int tile) -> int {  // block id of my key in `tile`, read only if used
+    const int pos = key0 + tile * kKeyTile + my_key;
+    return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+  };
+  auto issue = [&](int tile, int block) {
+    const int stage = tile % kStages;
+    const int pos = key0 + tile * kKeyTile + my_key;
+    bool ok = pos < key1;
+    const std::byte* src = a.cache_base;
+    if (ok) {
+      if (block < 0 || int64_t(block) >= a.num_blocks) {
+        ok = false;  // never read outside the cache; the key is masked and its row zeroed
+        if (my_part == 0) raise_error(a.error_flag, kErrBadBlockId);
+      } else {
+        src += int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * a.entry_bytes;
+      }
+    }
+    if (my_part == 0) key_ok_s[stage * kKeyTile + my_key] = ok;
+    if constexpr (!kConvert) {
+      const uint32_t dst = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
+      for (int c = my_part; c < kRowChunks; c += kThreadsPerKey)
+        cp_async16(dst + swz(my_key, c), src + c * 16, ok);
+    } else {
+      const uint32_t dst = smem_addr(raw_s + (stage * kKeyTile + my_key) * a.entry_bytes);
+      for (int c = my_part; c < a.entry_bytes / 16; c += kThreadsPerKey)
+        cp_async16(dst + c * 16, src + c * 16, ok);
+    }
+  };
+
+  int next_block = fetch_block(0);
+  if (ntiles > 0) {
+    const int b = next_block;
+    next_block = fetch_block(1);
+    issue(0, b);
+  }
+  cp_async_commit();  // group 0: Q and tile 0
+
+  // Per-thread state: rows lo = lane / 4 and hi = lo + 8 of the warp's row group.
+  const int row_lo = group * 16 + (lane >> 2), row_hi = row_lo + 8;
+  const int count_lo = key_count(row0 + row_lo), count_hi = key_count(row0 + row_hi);
+  float m_lo = kNegInf, m_hi = kNegInf;  // running max of scaled scores (log2 domain)
+  float l_lo = 0.0f, l_hi = 0.0f;        // this warp's partial row sums
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+  const uint32_t q_base = smem_addr(q_s);
+  const uint32_t p_base = smem_addr(p_s);
+  const int key_col = slice * 8 + 2 * (lane & 3);  // this thread's 2 keys in the tile
+
+  for (int t = 0; t < ntiles; ++t) {
+    __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
+    if (t + 1 < ntiles) {
+      const int b = next_block;
+      next_block = fetch_block(t + 2);
+      issue(t + 1, b);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the newest group has landed: Q and tile t
+    __syncthreads();
+
+    const int stage = t % kStages;
+    if constexpr (kConvert) {
+      const std::byte* raw = raw_s + stage * kKeyTile * a.entry_bytes;
+      for (int i = tid; i < kKeyTile * kRowChunks; i += kThreads) {
+        const int key = i / kRowChunks, c = i % kRowChunks;
+        const std::byte* row = raw + key * a.entry_bytes;
+        uint4 v;
+        if (a.format == CacheFormat::fp8) {
+          v = e4m3x8_to_act<T>(*reinterpret_cast<const uint2*>(row + c * 8));
+        } else if (c < kKvLoraRank / 8) {
+          const float scale =
+              reinterpret_cast<const float*>(row + kDsMlaScaleOffset)[c / (kDsMlaTile / 8)];
+          v = e4m3x8_scaled_to_act<T>(*reinterpret_cast<const uint2*>(row + c * 8), scale);
+        } else {
+          v = bf16x8_to_act<T>(
+              *reinterpret_cast<const uint4*>(row + kDsMlaRopeOffset + (c - 64) * 16));
+        }
+        *reinterpret_cast<uint4*>(tiles_s + swz(key, c)) = v;
+      }
+      __syncthreads();
+    }
+    const uint32_t k_base = smem_addr(tiles_s + (kConvert ? 0 : stage * kKeyTile * kRowBytes));
+
+    // ---- S = Q K^T for rows of my group x keys [8 slice, 8 slice + 8) ----
+    float s[4];
+    {
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const int qr = group * 16 + (lane & 15);
+      const int kr = slice * 8 + (lane & 7);
+#pragma unroll 6
+      for (int j = 0; j < kLatentDim / 32; ++j) {  // two k-steps (32 dims) per iteration
+        uint32_t a0[4], a1[4], b[4];
+        ldsm_x4(q_base + swz(qr, 4 * j + (lane >> 4)), a0);
+        ldsm_x4(q_base + swz(qr, 4 * j + 2 + (lane >> 4)), a1);
+        ldsm_x4(k_base + swz(kr, 4 * j + (lane >> 3)), b);
+        mma_16816<T>(s0, a0, b[0], b[1]);
+        mma_16816<T>(s1, a1, b[2], b[3]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = s0[i] + s1[i];
+    }
+
+    // ---- online softmax ----
+    const int pos = key0 + t * kKeyTile + key_col;
+    const uint8_t* ok = key_ok_s + stage * kKeyTile + key_col;
+    float x[4];
+    x[0] = ok[0] && pos < count_lo ? s[0] * a.score_scale_log2 : kNegInf;
+    x[1] = ok[1] && pos + 1 < count_lo ? s[1] * a.score_scale_log2 : kNegInf;
+    x[2] = ok[0] && pos < count_hi ? s[2] * a.score_scale_log2 : kNegInf;
+    x[3] = ok[1] && pos + 1 < count_hi ? s[3] * a.score_scale_log2 : kNegInf;
+    float mx_lo = fmaxf(x[0], x[1]), mx_hi = fmaxf(x[2], x[3]);
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o));
+    }
+    float* my_red = red_max + (group * 4) * 16;
+    if ((lane & 3) == 0) {
+      my_red[slice * 16 + (lane >> 2)] = mx_lo;
+      my_red[slice * 16 + (lane >> 2) + 8] = mx_hi;
+    }
+    __syncthreads();
+    float tmax_lo = kNegInf, tmax_hi = kNegInf;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      tmax_lo = fmaxf(tmax_lo, my_red[c * 16 + (lane >> 2)]);
+      tmax_hi = fmaxf(tmax_hi, my_red[c * 16 + (lane >> 2) + 8]);
+    }
+    const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+    const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+    const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+    const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
+    const float p0 = fast_exp2(x[0] - mref_lo), p1 = fast_exp2(x[1] - mref_lo);
+    const float p2 = fast_exp2(x[2] - mref_hi), p3 = fast_exp2(x[3] - mref_hi);
+    l_lo = l_lo * corr_lo + p0 + p1;
+    l_hi = l_hi * corr_hi + p2 + p3;
+    m_lo = mnew_lo;
+    m_hi = mnew_hi;
+    *reinterpret_cast<uint32_t*>(p_s + (row_lo * kPStride + key_col) * 2) = pack2<T>(p0, p1);
+    *reinterpret_cast<uint32_t*>(p_s + (row_hi * kPStride + key_col) * 2) = pack2<T>(p2, p3);
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      acc[n][0] *= corr_lo;
+      acc[n][1] *= corr_lo;
+      acc[n][2] *= corr_hi;
+      acc[n][3] *= corr_hi;
+    }
+    __syncthreads();
+
+    // ---- O[:, 128 slice .. +128] += P V ----
+    const uint32_t pa = p_base + (group * 16 + (lane & 15)) * kPStride * 2;
+#pragma unroll
+    for (int ks = 0; ks < kKeyTile / 16; ++ks) {
+      uint32_t pf[4];
+      ldsm_x4(pa + (2 * ks + (lane >> 4)) * 16, pf);
+      const int vr = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t b[4];
+        ldsm_x4_trans(k_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
+        mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
+        mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- finish: total row sums across the 4 slices, normalise, write ----
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o);
+  }
+  float* my_sum = red_sum + (group * 4) * 16;
+  if ((lane & 3) == 0) {
+    my_sum[slice * 16 + (lane >> 2)] = l_lo;
+    my_sum[slice * 16 + (lane >> 2) + 8] = l_hi;
+  }
+  __syncthreads();
+  float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    sum_lo += my_sum[c * 16 + (lane >> 2)];
+    sum_hi += my_sum[c * 16 + (lane >> 2) + 8];
+  }
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = half ? row_hi : row_lo;
+    if (row0 + row >= nrows) continue;
+    const float m = half ? m_hi : m_lo, l = half ? sum_hi : sum_lo;
+    const bool empty = m == kNegInf || !(l > 0.0f);
+    const float inv = empty ? 0.0f : a.v_scale / l;
+    const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
+    const int col0 = 128 * slice + 2 * (lane & 3);
+    if (a.num_splits == 1) {
+      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+        *reinterpret_cast<uint32_t*>(out + 8 * n) =
+            pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
+      if (slice == 0 && (lane & 3) == 0) a.lse[out_row0 + row] = lse;
+    } else {
+      const int64_t w = (int64_t(r) * a.max_rows + row0 + row) * a.num_splits + split;
+      if (!empty) {
+        float* o = a.ws_o + w * kKvLoraRank + col0;
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<float2*>(o + 8 * n) =
+              make_float2(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
+      }
+      if (slice == 0 && (lane & 3) == 0) a.ws_lse[w] = lse;
+    }
+  }
+}
+
+// ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
+// One warp per query row, lane s holds split s's LSE; each lane owns 16 of the 512 output
+// columns (4 float4). A split with LSE -inf wrote no partial output and is skipped (its
+// workspace may hold anything, even NaN).
+template <class T>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (item >= int64_t(a.num_requests) * a.max_rows) return;
+  const int r = int(item / a.max_rows), row = int(item % a.max_rows);
+  if (row >= a.query_lens[r] * a.heads) return;
+  const int64_t w0 = item * a.num_splits;
+  const float my_lse = lane < a.num_splits ? a.ws_lse[w0 + lane] : kNegInf;
+  float big = my_lse;
+  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
+  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank;
+  if (big == kNegInf) {
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint2*>(out + j * 128 + lane * 4) = make_uint2(0, 0);
+    if (lane == 0) a.lse[out_row] = kNegInf;
+    return;
+  }
+  const float weight = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
+  float total = weight;
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  float4 sum[4] = {};
+  for (int s = 0; s < a.num_splits; ++s) {
+    const float ws = __shfl_sync(0xffffffffu, weight, s);
+    if (ws == 0.0f) continue;  // warp-uniform
+    const float* o = a.ws_o + (w0 + s) * kKvLoraRank + lane * 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(o + j * 128);
+      sum[j].x += ws * v.x;
+      sum[j].y += ws * v.y;
+      sum[j].z += ws * v.z;
+      sum[j].w += ws * v.w;
+    }
+  }
+  const float inv = 1.0f / total;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint2*>(out + j * 128 + lane * 4) = make_uint2(
+        pack2<T>(sum[j].x * inv, sum[j].y * inv), pack2<T>(sum[j].z * inv, sum[j].w * inv));
+  if (lane == 0) a.lse[out_row] = big + logf(total);
+}
+
+// ---- host side ------------------------------------------------------------------------
+int rows_per_cta_for(int rows_per_request) {
+  return rows_per_request <= 16 ? 16 : rows_per_request <= 32 ? 32 : 64;
+}
+
+// Split-KV heuristic. `ctas` CTAs exist per split (requests x row tiles); `slots` CTAs fit
+// on the GPU at once. More splits fill the GPU when there are few requests, but each one
+// costs a partial write and a combine read, and a split of fewer than kMinKeysPerSplit keys
+// is mostly pipeline start-up. Among 1..max splits, take the one whose last wave is fullest
+// (CTAs / (waves * slots)), preferring fewer splits when within 3 % of the best: e.g. 128
+// requests x 16 heads on 132 SMs x 2 slots -> 2 splits (256 of 264 slots busy).
+int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
+  if (ctas <= 0) return 1;
+  const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
+  auto fill = [&](int s) {
+    const int64_t total = ctas * s;
+    return double(total) / double(ceil_div(total, slots) * slots);
+  };
+  double best = 0.0;
+  for (int s = 1; s <= max_splits; ++s) best = std::max(best, fill(s));
+  for (int s = 1; s <= max_splits; ++s)
+    if (fill(s) >= best - 0.03) return s;
+  return 1;
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// Workspace: ws_o [num_requests, max_query_len * heads, num_splits, 512] fp32, then (256-byte
+// aligned) ws_lse [num_requests, max_query_len * heads, num_splits] fp32. Empty with 1 split.
+struct WorkspaceLayout {
+  size_t lse_offset = 0, bytes = 0;
+};
+WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len, int splits) {
+  if (splits <= 1) return {};
+  const size_t items =
+      size_t(num_requests) * size_t(max_query_len) * size_t(heads) * size_t(splits);
+  WorkspaceLayout w;
+  w.lse_offset = align256(items * kKvLoraRank * sizeof(float));
+  w.bytes = w.lse_offset + align256(items * sizeof(float));
+  return w;
+}
+
+template <class T, int ROWS, bool kConvert>
+void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
+  auto kernel = decode_splitkv_kernel<T, ROWS, kConvert>;
+  // A host-side attribute (no sync, allowed during graph capture), set on every launch so
+  // that it holds on whichever device is current.
+  KMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
+                       bool portable) {
+  KMLA_CHECK(num_requests >= 0, "decode: num_requests must be >= 0, got ", num_requests);
+  KMLA_CHECK(heads >= 1 && heads <= 128, "decode: heads must be in [1, 128], got ", heads);
+  KMLA_CHECK(max_query_len >= 1 && max_query_len <= 128,
+             "decode: max_query_len must be in [1, 128], got ", max_query_len);
+  KMLA_CHECK(max_seq_len >= 0, "decode: max_seq_len must be >= 0, got ", max_seq_len);
+  DecodePlan plan;
+  plan.max_query_len = max_query_len;
+  plan.portable = portable;
+  plan.rows_per_cta = rows_per_cta_for(max_query_len * heads);
+
+  int device = 0, sms = 0, smem_per_sm = 0, threads_per_sm = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KMLA_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  KMLA_CUDA_CHECK(
+      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  // CTAs per SM from shared memory (1 KB per CTA is reserved by the driver) and threads.
+  const int smem = smem_plan(plan.rows_per_cta, 0).total + 1024;
+  const int threads = plan.rows_per_cta / 16 * 128;
+  const int per_sm = std::max(1, std::min(smem_per_sm / smem, threads_per_sm / threads));
+  const int64_t ctas =
+      int64_t(num_requests) * ceil_div(int64_t(max_query_len) * heads, plan.rows_per_cta);
+  plan.num_splits = choose_num_splits(ctas, max_seq_len, int64_t(sms) * per_sm);
+  plan.workspace_bytes =
+      workspace_layout(num_requests, heads, max_query_len, plan.num_splits).bytes;
+  return plan;
+}
+
+// The launch depends only on the plan, batch.num_requests and heads (never on lengths read
+// from the device), so a captured graph replays with any lengths of the planned shape.
+// Callers (the tests do) may overwrite plan.num_splits (1..32) and plan.rows_per_cta (16, 32,
+// 64) after plan_decode, provided plan.workspace_bytes still covers the workspace layout
+// (workspace_layout above: num_requests x max_query_len x heads x num_splits x (512 + 1)
+// fp32, two 256-byte aligned parts); this is checked here.
+void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                      cudaStream_t stream) {
+  const DeviceBatch& b = p.batch;
+  KMLA_CHECK(p.heads >= 1 && p.heads <= 128, "decode: heads must be in [1, 128], got ", p.heads);
+  KMLA_CHECK(b.num_requests >= 0 && b.num_requests <= 65535,
+             "decode: num_requests must be in [0, 65535], got ", b.num_requests);
+  KMLA_CHECK(plan.rows_per_cta == 16 || plan.rows_per_cta == 32 || plan.rows_per_cta == 64,
+             "decode: plan.rows_per_cta must be 16, 32 or 64, got ", plan.rows_per_cta);
+  KMLA_CHECK(plan.num_splits >= 1 && plan.num_splits <= kMaxSplits,
+             "decode: plan.num_splits must be in [1, ", kMaxSplits, "], got ", plan.num_splits);
+  KMLA_CHECK(plan.max_query_len >= 1 && plan.max_query_len <= 128,
+             "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
+  KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
+             "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
+  const CacheFormat fmt = p.cache.format;
+  const bool cache16 = fmt == CacheFormat::bf16 || fmt == CacheFormat::fp16;
+  KMLA_CHECK(!cache16 || (fmt == CacheFormat::bf16) == (p.act == DType::bf16),
+             "decode: a 16-bit cache must have the activation dtype (", dtype_name(p.act),
+             "), got a ", cache_format_name(fmt), " cache");
+  KMLA_CHECK(!p.q_fp8 || fmt == CacheFormat::fp8,
+             "decode: fp8 queries need the plain fp8 cache, got ", cache_format_name(fmt));
+  KMLA_CHECK(p.cache.block_size >= 1 && p.cache.block_size <= 1024,
+             "decode: cache block size must be in [1, 1024], got ", p.cache.block_size);
+  // cp.async copies 16-byte chunks: every row must start 16-byte aligned.
+  KMLA_CHECK(reinterpret_cast<uintptr_t>(p.cache.base) % 16 == 0 && p.cache.block_stride % 16 == 0,
+             "decode: the cache base and block stride (", p.cache.block_stride,
+             " B) must be 16-byte aligned");
+  KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
+  if (b.num_requests == 0) return;
+
+  const WorkspaceLayout ws =
+      workspace_layout(b.num_requests, p.heads, plan.max_query_len, plan.num_splits);
+  KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
+             plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
+             " heads x ", plan.num_splits, " splits need (", ws.bytes, " B)");
+  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: ", plan.num_splits,
+             " splits need a workspace");
+
+  DecodeArgs a{};
+  a.q = p.q;
+  a.q_fp8 = p.q_fp8;
+  a.cache_base = p.cache.base;
+  a.block_stride = p.cache.block_stride;
+  a.num_blocks = p.cache.num_blocks;
+  a.block_size = p.cache.block_size;
+  a.entry_bytes = int(CacheRef::cache_entry_bytes_hd(fmt));
+  a.format = fmt;
+  a.block_tables = b.block_tables;
+  a.seq_lens = b.seq_lens;
+  a.query_lens = b.query_lens;
+  a.query_start = b.query_start;
+  a.max_blocks = b.max_blocks;
+  a.num_requests = b.num_requests;
+  a.heads = p.heads;
+  a.causal = p.causal;
+  const bool plain_fp8 = fmt == CacheFormat::fp8;
+  const float qk_scale = (p.q_fp8 ? p.q_scale : 1.0f) * (plain_fp8 ? p.cache.k_scale : 1.0f);
+  a.score_scale_log2 = p.softmax_scale * qk_scale * kLog2e;
+  a.v_scale = plain_fp8 ? p.cache.k_scale : 1.0f;
+  a.out = p.out;
+  a.lse = p.lse;
+  a.error_flag = p.error_flag;
+  a.num_splits = plan.num_splits;
+  a.max_rows = plan.max_query_len * p.heads;
+  if (ws.bytes) {
+    a.ws_o = static_cast<float*>(workspace);
+    a.ws_lse = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + ws.lse_offset);
+  }
+
+  const int rows = plan.rows_per_cta;
+  const dim3 grid(unsigned(ceil_div(a.max_rows, rows)), unsigned(plan.num_splits),
+                  unsigned(b.num_requests));
+  const bool convert = !cache16;
+  const int smem = smem_plan(rows, convert ? a.entry_bytes : 0).total;
+  dispatch_act(p.act, [&]<class T>() {
+    if (rows == 16) {
+      convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream)
+              : launch_splitkv<T, 16, false>(a, grid, smem, stream);
+    } else if (rows == 32) {
+      convert ? launch_splitkv<T, 32, true>(a, grid, smem, stream)
+              : launch_splitkv<T, 32, false>(a, grid, smem, stream);
+    } else {
+      convert ? launch_splitkv<T, 64, true>(a, grid, smem, stream)
+              : launch_splitkv<T, 64, false>(a, grid, smem, stream);
+    }
+    if (plan.num_splits > 1) {
+      const int64_t items = int64_t(b.num_requests) * a.max_rows;
+      decode_combine_kernel<T><<<unsigned(ceil_div(items, 4)), 128, 0, stream>>>(a);
+      KMLA_LAUNCH_CHECK();
+    }
+  });
+}
+
+}  // namespace kmla::cuda

@@ -1,0 +1,552 @@
+// The projection GEMMs: cuBLASLt for the 16-bit products and, on Hopper, for the block-scaled
+// W8A8 product; a plain CUDA kernel for the W8A8 cases cuBLASLt cannot take; and the
+// per-token, per-128 activation quantizer that feeds both.
+//
+// Row-major problems are handed to cuBLASLt (column-major) transposed: a row-major [R, C] matrix
+// at row stride ld is a column-major C x R matrix with leading dimension ld, so
+// C[M, N] = A[M, K] . W[N, K]^T becomes C^T (N x M) = op_T(W as K x N) . (A^T as K x M).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "cuda/gemm.cuh"
+
+namespace kmla::cuda {
+
+namespace {
+
+#define KMLA_CUBLASLT_CHECK(expr)                                        \
+  do {                                                                   \
+    const cublasStatus_t kmla_st_ = (expr);                              \
+    if (kmla_st_ != CUBLAS_STATUS_SUCCESS)                               \
+      ::kmla::detail::fail(__FILE__, __LINE__, #expr, "cuBLASLt error ", \
+                           cublasLtGetStatusName(kmla_st_), ": ",        \
+                           cublasLtGetStatusString(kmla_st_));           \
+  } while (0)
+
+constexpr int64_t kGroup = 128;  // activation group along K = weight block edge
+// cuBLAS recommends 32 MiB of workspace on Hopper; split-K partial sums live here.
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+// The activation scales are stored K-group-major with the tokens contiguous: scale (m, g) at
+// g * pitch + m. cuBLASLt reads a VEC128 operand's scales "outer-dimension major" with no leading
+// dimension of their own, i.e. pitch == M (PyTorch's scaled_mm passes [M, K/128] with strides
+// (1, M) for its 1x128 operand and pads only the 128x128 operand's scales). kActScalePad rounds
+// the pitch up; set it to 4 if a GPU run shows cuBLASLt wanting 16-byte aligned columns for M
+// not a multiple of 4 (the W8A8 tests compare M = 1 and 33 against fp64 on both paths).
+constexpr int64_t kActScalePad = 1;
+
+int64_t act_scale_pitch(int64_t M) { return ceil_div(M, kActScalePad) * kActScalePad; }
+
+cudaDataType_t cuda_type(DType act) {
+  KMLA_CHECK(act == DType::bf16 || act == DType::f16, "cuBLASLt GEMMs take bf16 or f16, got ",
+             dtype_name(act));
+  return act == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+// Largest power of two (at most 256) dividing the address and every byte stride: the alignment
+// cuBLASLt may assume for an operand.
+int alignment_of(const void* p, int64_t ld_bytes, int64_t stride_bytes = 0) {
+  const uint64_t bits =
+      uint64_t(reinterpret_cast<uintptr_t>(p)) | uint64_t(ld_bytes) | uint64_t(stride_bytes) | 256u;
+  return int(bits & (~bits + 1));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+enum class GemmKind : int { linear, batched_nn, fp8_block };
+
+// Everything a cuBLASLt plan depends on, in cuBLASLt's terms (m, n, k of the column-major
+// product; lda/ldb/ldc and strides of its A, B, C operands).
+struct GemmKey {
+  GemmKind kind = GemmKind::linear;
+  DType act = DType::bf16;
+  int batch = 1;
+  int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  int align_a = 256, align_b = 256, align_c = 256;
+  auto operator<=>(const GemmKey&) const = default;
+};
+
+// A cached cuBLASLt plan: descriptors and the heuristic's best algorithm. `has_algo` false means
+// the heuristic found nothing (the fp8 caller then takes the fallback kernel).
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
+                                   int batch, int64_t stride) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  KMLA_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&layout, type, uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    const int32_t count = batch;
+    KMLA_CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                         &count, sizeof count));
+    KMLA_CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(
+        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+  }
+  return layout;
+}
+
+template <class T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  KMLA_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof value));
+}
+
+// ---- activation quantization ---------------------------------------------------------------
+
+// One warp per (token, 128-input group): each lane holds 4 inputs (lane, lane + 32, ...), the
+// warp reduces amax by shuffles, then every lane writes its codes. Warps past the last token
+// (the pad of a scale column when kActScalePad > 1) write a scale of 1 and no codes.
+// x / scale is a correctly rounded fp32 division (__fdiv_rn, immune to fast-math flags) and the
+// e4m3 conversion is kmla::float_to_e4m3_sat, so codes and scales match the CPU bit for bit.
+template <class T>
+__global__ void __launch_bounds__(256)
+    quantize_act_fp8_kernel(const T* __restrict__ x,  // [M, K] at row stride lda
+                            int64_t lda, int64_t M, int64_t K, int64_t groups, int64_t pitch,
+                            uint8_t* __restrict__ codes,   // [M, K] dense
+                            float* __restrict__ scales) {  // [groups, pitch]
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= pitch * groups) return;
+  const int64_t m = warp / groups, g = warp % groups;
+  if (m >= M) {
+    if (lane == 0) scales[g * pitch + m] = 1.0f;
+    return;
+  }
+  const T* row = x + m * lda;
+  float v[kGroup / 32];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGroup / 32; ++i) {
+    const int64_t k = g * kGroup + lane + 32 * i;
+    v[i] = k < K ? to_float(row[k]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));  // fmaxf drops NaN like the CPU's std::fmax
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = __fdiv_rn(fmaxf(amax, 1e-10f), kFp8Max);
+#pragma unroll
+  for (int i = 0; i < kGroup / 32; ++i) {
+    const int64_t k = g * kGroup + lane + 32 * i;
+    if (k < K) codes[m * K + k] = float_to_e4m3_sat(__fdiv_rn(v[i], s));
+  }
+  if (lane == 0) scales[g * pitch + m] = s;
+}
+
+// ---- W8A8 fallback kernel ------------------------------------------------------------------
+
+struct Fp8FallbackParams {
+  const uint8_t* a8;      // [M, K] e4m3, dense
+  const float* a_scales;  // [ceil(K/128), pitch]: scale of (m, g) at g * pitch + m
+  const uint8_t* w8;      // [N, K] e4m3, dense
+  const float* w_scales;  // [.., scale_cols]: block (i, j) at i * scale_cols + j
+  void* c;                // [M, N] act at row stride ldc
+  int64_t M, N, K, pitch, scale_cols, ldc;
+  int row_offset, col_offset;
+};
+
+constexpr int kFbThreads = 256;
+constexpr int kFbTileN = 64;
+constexpr int kFbTileK = 32;
+
+// C[m, n] = sum_k (a8[m,k] * as[m, k/128]) * (w8[n,k] * ws[(n+ro)/128, (k+co)/128]) in fp32, one
+// rounding to act: the CPU path's formula (both operands dequantized, an fp32 GEMM). Scales are
+// applied while staging into shared memory, so any block offset, any K and N, and any
+// architecture work; this is the path for everything cuBLASLt's block-scaled GEMM cannot take.
+//
+// Tile: kTileM x 64 outputs per 256-thread block, a 16 x 16 thread grid; thread (ty, tx) owns rows
+// ty + 16 i (i < kTileM / 16) and columns tx + 16 j (j < 4). K advances 32 per step:
+//   1. every thread loads kTileM*32/256 activation and 8 weight codes (consecutive threads take
+//      consecutive k: coalesced), dequantizes them and stores them k-major in shared memory;
+//   2. 32 rank-1 updates from shared memory, one fma per (row, column) per k, in k order.
+// Shared memory: 32 x (kTileM + 1) + 32 x 65 floats = 10.4 KB (kTileM 16) or 16.6 KB (64); the
+// +1 pads make the transposing stores conflict-free. Registers: kTileM/16 x 4 accumulators.
+template <class T, int kTileM>
+__global__ void __launch_bounds__(kFbThreads) w8a8_fallback_kernel(Fp8FallbackParams p) {
+  static_assert(kTileM % 16 == 0 && (kTileM * kFbTileK) % kFbThreads == 0);
+  constexpr int kRows = kTileM / 16;
+  __shared__ float a_tile[kFbTileK][kTileM + 1];
+  __shared__ float w_tile[kFbTileK][kFbTileN + 1];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t m0 = int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kFbTileN;
+
+  float acc[kRows][4] = {};
+  for (int64_t k0 = 0; k0 < p.K; k0 += kFbTileK) {
+#pragma unroll
+    for (int r = 0; r < kTileM * kFbTileK / kFbThreads; ++r) {
+      const int idx = threadIdx.x + r * kFbThreads;
+      const int row = idx / kFbTileK, kk = idx % kFbTileK;
+      const int64_t m = m0 + row, k = k0 + kk;
+      float v = 0.0f;
+      if (m < p.M && k < p.K)
+        v = e4m3_value(p.a8[m * p.K + k]) * p.a_scales[(k / kGroup) * p.pitch + m];
+      a_tile[kk][row] = v;
+    }
+#pragma unroll
+    for (int r = 0; r < kFbTileN * kFbTileK / kFbThreads; ++r) {
+      const int idx = threadIdx.x + r * kFbThreads;
+      const int col = idx / kFbTileK, kk = idx % kFbTileK;
+      const int64_t n = n0 + col, k = k0 + kk;
+      float v = 0.0f;
+      if (n < p.N && k < p.K)
+        v = e4m3_value(p.w8[n * p.K + k]) *
+            p.w_scales[((n + p.row_offset) / kGroup) * p.scale_cols + (k + p.col_offset) / kGroup];
+      w_tile[kk][col] = v;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < kFbTileK; ++kk) {
+      float a[kRows], w[4];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) a[i] = a_tile[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[j] = w_tile[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], w[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  T* c = static_cast<T*>(p.c);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t m = m0 + ty + 16 * i;
+    if (m >= p.M) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = n0 + tx + 16 * j;
+      if (n < p.N) c[m * p.ldc + n] = from_float<T>(acc[i][j]);
+    }
+  }
+}
+
+void launch_w8a8_fallback(const Fp8FallbackParams& p, DType act, cudaStream_t stream) {
+  dispatch_act(act, [&]<class T>() {
+    // Small M (decode) takes the 16-row tile so fewer rows are wasted per weight read.
+    if (p.M <= 16) {
+      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(p.M, 16)));
+      w8a8_fallback_kernel<T, 16><<<grid, kFbThreads, 0, stream>>>(p);
+    } else {
+      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(p.M, 64)));
+      w8a8_fallback_kernel<T, 64><<<grid, kFbThreads, 0, stream>>>(p);
+    }
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+// ---- activation quantization (host) --------------------------------------------------------
+
+size_t act_scale_elems(int64_t M, int64_t K) {
+  return size_t(ceil_div(K, kGroup) * act_scale_pitch(M));
+}
+
+void quantize_act_fp8(const void* x, int64_t lda, int64_t M, int64_t K, DType act, uint8_t* codes,
+                      float* scales, cudaStream_t stream) {
+  KMLA_CHECK(M >= 0 && K > 0 && lda >= K, "quantize_act_fp8: bad shape M=", M, " K=", K,
+             " lda=", lda);
+  if (M == 0) return;
+  const int64_t groups = ceil_div(K, kGroup), pitch = act_scale_pitch(M);
+  const int64_t warps = pitch * groups;
+  constexpr int kThreads = 256;
+  const int64_t blocks = ceil_div(warps * 32, kThreads);
+  KMLA_CHECK(blocks < (int64_t(1) << 31), "quantize_act_fp8: too many rows, M=", M, " K=", K);
+  dispatch_act(act, [&]<class T>() {
+    quantize_act_fp8_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), lda, M, K, groups, pitch, codes, scales);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+// ---- Blas ----------------------------------------------------------------------------------
+
+struct Blas::Impl {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  int cc_major = 0, cc_minor = 0;
+  bool force_fp8_fallback = false;
+  std::mutex mutex;  // guards plans and the fp8 descriptors' scale pointers
+  std::map<GemmKey, std::unique_ptr<Plan>> plans;
+
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
+
+  // The plan for `key`, created (descriptors + one heuristic query) on first use. Caller holds
+  // the mutex.
+  Plan& plan(const GemmKey& key);
+
+  // cuBLASLt's block-scaled fp8 GEMM applies when (all must hold):
+  //   - the device is sm_90 (the VEC128 / BLK128x128 scale modes exist only on Hopper) and the
+  //     fallback is not forced (KMLA_GEMM_FALLBACK=1 or set_fp8_fallback(true));
+  //   - the weight's blocks start at its origin (row_offset == col_offset == 0): cuBLASLt has no
+  //     block offset, so a tensor-parallel slice starting inside a block takes the fallback;
+  //   - K % 512 == 0: whole 128-groups, and cuBLASLt wants each weight block row's scales padded
+  //     to a multiple of 4 K-blocks, which our dense [.., ceil(K/128)] scales are only then;
+  //   - scale_cols == K / 128 and N % 16 == 0, ldc % 8 == 0 (16-byte rows of C);
+  //   - (checked per call) codes, scales, A8, a_scales and C are 16-byte aligned;
+  //   - the heuristic returns an algorithm.
+  // Everything else (and every non-Hopper GPU) runs w8a8_fallback_kernel.
+  bool fp8_shape_ok(int64_t M, const Fp8Weight& W, int64_t ldc) const {
+    return !force_fp8_fallback && cc_major == 9 && cc_minor == 0 && M > 0 && W.row_offset == 0 &&
+           W.col_offset == 0 && W.k % (4 * kGroup) == 0 && W.scale_cols == W.k / kGroup &&
+           W.n % 16 == 0 && ldc % 8 == 0;
+  }
+  GemmKey fp8_key(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const {
+    GemmKey key;
+    key.kind = GemmKind::fp8_block;
+    key.act = act;
+    key.m = W.n;
+    key.n = M;
+    key.k = W.k;
+    key.lda = W.k;
+    key.ldb = W.k;
+    key.ldc = ldc;
+    key.align_a = key.align_b = key.align_c = 16;
+    return key;
+  }
+};
+
+Plan& Blas::Impl::plan(const GemmKey& key) {
+  auto it = plans.find(key);
+  if (it != plans.end()) return *it->second;
+  auto p = std::make_unique<Plan>();
+  const cudaDataType_t act = cuda_type(key.act);
+  KMLA_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int32_t op_n = CUBLAS_OP_N, op_t = CUBLAS_OP_T;
+  switch (key.kind) {
+    case GemmKind::linear:  // A = W (K x N, op T), B = activations (K x M)
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_t);
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_n);
+      p->a = make_layout(act, key.k, key.m, key.lda, 1, 0);
+      p->b = make_layout(act, key.k, key.n, key.ldb, 1, 0);
+      break;
+    case GemmKind::batched_nn:  // A = B_b (N x K), B = A_b (K x M)
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_n);
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_n);
+      p->a = make_layout(act, key.m, key.k, key.lda, key.batch, key.stride_a);
+      p->b = make_layout(act, key.k, key.n, key.ldb, key.batch, key.stride_b);
+      break;
+    case GemmKind::fp8_block: {  // A = W codes (K x N, op T, 128x128 scales), B = A8 (K x M)
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_t);
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_n);
+      const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+      const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode);
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode);
+      // The heuristic insists on scale pointers; the real ones are set before every launch.
+      const void* placeholder = workspace;
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, placeholder);
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, placeholder);
+      p->a = make_layout(CUDA_R_8F_E4M3, key.k, key.m, key.lda, 1, 0);
+      p->b = make_layout(CUDA_R_8F_E4M3, key.k, key.n, key.ldb, 1, 0);
+      break;
+    }
+  }
+  p->c = make_layout(act, key.m, key.n, key.ldc, key.batch, key.stride_c);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  KMLA_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  // Split-K partial sums must stay fp32: "in place" and output-type reductions would round to
+  // act more than once.
+  const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  const uint32_t align_a = key.align_a, align_b = key.align_b, align_c = key.align_c;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                              &reductions, sizeof reductions);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                              &align_a, sizeof align_a);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                              &align_b, sizeof align_b);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                              &align_c, sizeof align_c);
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                              &align_c, sizeof align_c);
+  // The heuristic's results come sorted by estimated time: the first is the fastest.
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result,
+                                        &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  // An unsupported fp8 configuration may report NOT_SUPPORTED rather than zero results.
+  if (key.kind != GemmKind::fp8_block) KMLA_CUBLASLT_CHECK(st);
+  p->has_algo = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+  if (p->has_algo) p->algo = result.algo;
+  return *plans.emplace(key, std::move(p)).first->second;
+}
+
+Blas::Impl::~Impl() {
+  plans.clear();
+  if (workspace) cudaFree(workspace);
+  if (handle) cublasLtDestroy(handle);
+}
+
+Blas::Blas() {
+  auto impl = std::make_unique<Impl>();
+  int device = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(
+      cudaDeviceGetAttribute(&impl->cc_major, cudaDevAttrComputeCapabilityMajor, device));
+  KMLA_CUDA_CHECK(
+      cudaDeviceGetAttribute(&impl->cc_minor, cudaDevAttrComputeCapabilityMinor, device));
+  KMLA_CUBLASLT_CHECK(cublasLtCreate(&impl->handle));
+  KMLA_CUDA_CHECK(cudaMalloc(&impl->workspace, kWorkspaceBytes));
+  // KMLA_GEMM_FALLBACK=1 forces linear_fp8 onto the fallback kernel (testing, A/B comparisons).
+  const char* env = std::getenv("KMLA_GEMM_FALLBACK");
+  impl->force_fp8_fallback = env != nullptr && std::strcmp(env, "1") == 0;
+  impl_ = impl.release();
+}
+
+Blas::~Blas() { delete impl_; }
+
+void Blas::set_fp8_fallback(bool force) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->force_fp8_fallback = force;
+}
+
+void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* W,
+                  void* C, int64_t ldc, DType act, cudaStream_t stream) const {
+  KMLA_CHECK(M >= 0 && N > 0 && K > 0 && lda >= K && ldc >= N, "linear: bad shape M=", M, " N=", N,
+             " K=", K, " lda=", lda, " ldc=", ldc);
+  if (M == 0) return;
+  const int64_t e = int64_t(dtype_size(act));
+  GemmKey key;
+  key.kind = GemmKind::linear;
+  key.act = act;
+  key.m = N;
+  key.n = M;
+  key.k = K;
+  key.lda = K;  // W dense
+  key.ldb = lda;
+  key.ldc = ldc;
+  key.align_a = alignment_of(W, K * e);
+  key.align_b = alignment_of(A, lda * e);
+  key.align_c = alignment_of(C, ldc * e);
+  const float alpha = 1.0f, beta = 0.0f;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Plan& p = impl_->plan(key);
+  KMLA_CHECK(p.has_algo, "linear: cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K,
+             " lda=", lda, " ldc=", ldc);
+  KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, W, p.a, A, p.b, &beta, C, p.c,
+                                     C, p.c, &p.algo, impl_->workspace, kWorkspaceBytes, stream));
+}
+
+void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                      int64_t strideA, const void* B, int64_t ldb, int64_t strideB, void* C,
+                      int64_t ldc, int64_t strideC, DType act, cudaStream_t stream) const {
+  KMLA_CHECK(batch >= 0 && M >= 0 && N > 0 && K > 0 && lda >= K && ldb >= N && ldc >= N &&
+                 strideA >= 0 && strideB >= 0 && strideC >= 0,
+             "batched_nn: bad shape batch=", batch, " M=", M, " N=", N, " K=", K, " lda=", lda,
+             " ldb=", ldb, " ldc=", ldc, " strides ", strideA, ", ", strideB, ", ", strideC);
+  if (batch == 0 || M == 0) return;
+  const int64_t e = int64_t(dtype_size(act));
+  GemmKey key;
+  key.kind = GemmKind::batched_nn;
+  key.act = act;
+  key.batch = batch;
+  key.m = N;
+  key.n = M;
+  key.k = K;
+  key.lda = ldb;
+  key.ldb = lda;
+  key.ldc = ldc;
+  key.stride_a = strideB;
+  key.stride_b = strideA;
+  key.stride_c = strideC;
+  key.align_a = alignment_of(B, ldb * e, strideB * e);
+  key.align_b = alignment_of(A, lda * e, strideA * e);
+  key.align_c = alignment_of(C, ldc * e, strideC * e);
+  const float alpha = 1.0f, beta = 0.0f;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Plan& p = impl_->plan(key);
+  KMLA_CHECK(p.has_algo, "batched_nn: cuBLASLt has no algorithm for batch=", batch, " M=", M,
+             " N=", N, " K=", K);
+  KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c,
+                                     C, p.c, &p.algo, impl_->workspace, kWorkspaceBytes, stream));
+}
+
+bool Blas::linear_fp8_uses_cublaslt(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!impl_->fp8_shape_ok(M, W, ldc)) return false;
+  return impl_->plan(impl_->fp8_key(M, W, ldc, act)).has_algo;
+}
+
+void Blas::linear_fp8(int64_t M, const uint8_t* A8, const float* a_scales, const Fp8Weight& W,
+                      void* C, int64_t ldc, DType act, cudaStream_t stream) const {
+  KMLA_CHECK(M >= 0 && W.n > 0 && W.k > 0 && ldc >= W.n, "linear_fp8: bad shape M=", M, " N=", W.n,
+             " K=", W.k, " ldc=", ldc);
+  KMLA_CHECK(W.row_offset >= 0 && W.row_offset < kGroup && W.col_offset >= 0 &&
+                 W.col_offset < kGroup && W.scale_cols >= ceil_div(W.col_offset + W.k, kGroup),
+             "linear_fp8: bad fp8 weight block offsets ", W.row_offset, ", ", W.col_offset,
+             " or scale_cols ", W.scale_cols, " for K=", W.k);
+  cuda_type(act);
+  if (M == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (impl_->fp8_shape_ok(M, W, ldc) && aligned16(W.codes) && aligned16(W.scales) &&
+        aligned16(A8) && aligned16(a_scales) && aligned16(C)) {
+      Plan& p = impl_->plan(impl_->fp8_key(M, W, ldc, act));
+      if (p.has_algo) {
+        // The descriptor is shared by every call of this shape: its scale pointers are set and
+        // consumed (cublasLtMatmul reads them at enqueue) under the mutex.
+        const void* w_scales = W.scales;
+        const void* x_scales = a_scales;
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w_scales);
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x_scales);
+        const float alpha = 1.0f, beta = 0.0f;
+        KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, W.codes, p.a, A8, p.b,
+                                           &beta, C, p.c, C, p.c, &p.algo, impl_->workspace,
+                                           kWorkspaceBytes, stream));
+        return;
+      }
+    }
+  }
+  Fp8FallbackParams fp;
+  fp.a8 = A8;
+  fp.a_scales = a_scales;
+  fp.w8 = W.codes;
+  fp.w_scales = W.scales;
+  fp.c = C;
+  fp.M = M;
+  fp.N = W.n;
+  fp.K = W.k;
+  fp.pitch = act_scale_pitch(M);
+  fp.scale_cols = W.scale_cols;
+  fp.ldc = ldc;
+  fp.row_offset = W.row_offset;
+  fp.col_offset = W.col_offset;
+  KMLA_CHECK(ceil_div(M, 64) <= 65535, "linear_fp8: M=", M, " too large for the fallback grid");
+  launch_w8a8_fallback(fp, act, stream);
+}
+
+}  // namespace kmla::cuda

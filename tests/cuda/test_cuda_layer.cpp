@@ -1,0 +1,269 @@
+// The CUDA layer against the fp64 oracle: every case of the CPU grid on the Hopper path and
+// on the portable (sm_80) path, a decode step captured in a CUDA graph (global capture mode,
+// with the auxiliary g_proj stream) and replayed with other lengths and fewer requests, and
+// bad input giving the CPU backend's errors. Without a GPU every test skips.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kmla/cuda.hpp"
+#include "kmla/layer.hpp"
+#include "kmla/numeric.hpp"
+#include "kmla/reference.hpp"
+#include "verify/cases.hpp"
+
+namespace kmla {
+namespace {
+
+using verify::Case;
+
+#define REQUIRE_GPU()                                           \
+  do {                                                          \
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+#define CUDA_EXPECT(expr) EXPECT_EQ((expr), cudaSuccess) << #expr
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  std::string n = info.param.name;
+  for (char& ch : n)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return n;
+}
+
+class CudaCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaCase, HopperPathMatchesOracle) {
+  REQUIRE_GPU();
+  const verify::Report r = verify::run_case(GetParam(), verify::Backend::cuda);
+  EXPECT_TRUE(r.pass) << r.detail << " (err " << r.err_backend << ", baseline " << r.err_baseline
+                      << ", bound " << r.bound << ", cache " << r.cache_err << ")";
+  EXPECT_GT(r.err_baseline, 0.0);  // the rule's baseline must be a real rounding error
+}
+
+TEST_P(CudaCase, PortablePathMatchesOracle) {
+  REQUIRE_GPU();
+  const verify::Report r = verify::run_case(GetParam(), verify::Backend::cuda_portable);
+  EXPECT_TRUE(r.pass) << r.detail << " (err " << r.err_backend << ", baseline " << r.err_baseline
+                      << ", bound " << r.bound << ", cache " << r.cache_err << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaCase, ::testing::ValuesIn(verify::standard_cases()), case_name);
+
+// ---- the oracle rule for one host output ----------------------------------------------------
+
+double act_value(const HostTensor& t, int64_t i) {
+  const uint16_t v = t.data<uint16_t>()[i];
+  return t.dtype() == DType::bf16 ? bf16_to_float(v) : fp16_to_float(v);
+}
+
+// out must be within 2x the seed-rounding oracle's error (+1 act ulp of the largest value)
+// of the exact oracle, on the real rows; padding rows exactly zero.
+void expect_matches_oracle(const MlaConfig& cfg, const MlaWeights& w, const RopeTable* rope,
+                           const HostTensor& positions, const HostTensor& hidden,
+                           const BatchMetadata& md, const LatentCache& cache_before,
+                           const HostTensor& out, const char* what) {
+  LatentCache exact_cache = cache_before.clone(), seed_cache = cache_before.clone();
+  reference::Options ro;
+  ro.activation = out.dtype();
+  ro.rounding = reference::Rounding::exact;
+  const auto exact = reference::forward(cfg, w, rope, positions.view(), hidden.view(), &md, exact_cache, ro);
+  ro.rounding = reference::Rounding::seed;
+  const auto seed = reference::forward(cfg, w, rope, positions.view(), hidden.view(), &md, seed_cache, ro);
+  double max_ref = 0, err = 0, base = 0;
+  const int64_t real = md.num_tokens * cfg.hidden_size;
+  for (int64_t i = 0; i < real; ++i) {
+    ASSERT_TRUE(std::isfinite(act_value(out, i))) << what << ": output " << i;
+    max_ref = std::max(max_ref, std::fabs(exact.out[size_t(i)]));
+    err = std::max(err, std::fabs(act_value(out, i) - exact.out[size_t(i)]));
+    base = std::max(base, std::fabs(seed.out[size_t(i)] - exact.out[size_t(i)]));
+  }
+  for (int64_t i = real; i < out.numel(); ++i) ASSERT_EQ(act_value(out, i), 0.0) << what << ": padding " << i;
+  const double ulp = out.dtype() == DType::bf16 ? 0x1p-8 : 0x1p-11;
+  EXPECT_LE(err, 2 * base + ulp * max_ref) << what << " (baseline " << base << ", max " << max_ref << ")";
+  EXPECT_GT(max_ref, 0.0) << what;
+}
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+
+struct DeviceInputs {
+  cuda::DeviceBuffer hidden, positions, out;
+  TensorView hv, pv, ov;
+  DeviceInputs(const HostTensor& hidden_h, const HostTensor& pos_h, cudaStream_t s)
+      : hidden(hidden_h.bytes()), positions(pos_h.bytes()), out(hidden_h.bytes()) {
+    hv = hidden.view(hidden_h.dtype(), {hidden_h.dim(0), hidden_h.dim(1)});
+    pv = positions.view(DType::i64, {pos_h.dim(0)});
+    ov = out.view(hidden_h.dtype(), {hidden_h.dim(0), hidden_h.dim(1)});
+    cuda::copy_to_device(hidden_h.view(), hv, s);
+    cuda::copy_to_device(pos_h.view(), pv, s);
+  }
+};
+
+// A decode step captured once (batch A) and replayed for batch A and for batch B (other
+// lengths, fewer requests, more padding rows). Replays equal an eager run of the same plan
+// bit for bit, and both pass the oracle rule; the gate's g_proj runs on the aux stream.
+TEST(CudaGraph, DecodeStepReplaysOtherBatches) {
+  REQUIRE_GPU();
+  Case c = verify::mixed_case("kimi-k3", CacheFormat::bf16, 16, 41, 3);
+  c.requests = {{1, 37}, {1, 16}, {1, 129}, {1, 1}, {1, 64}, {1, 250}};
+  c.padding_rows = 2;
+  const verify::Inputs a = verify::make_inputs(c);
+  ASSERT_EQ(a.md.num_decodes, 6);
+  const MlaConfig& cfg = c.config;
+  ASSERT_TRUE(cfg.use_output_gate);
+
+  // Batch B: four of A's requests with shorter contexts, same rows (4 real + 4 padding).
+  std::vector<RequestSpec> reqs;
+  for (int r : {2, 0, 5, 4}) {
+    const int32_t ctx = std::max(1, a.md.context_lens[size_t(r)] / 2 - 3);
+    RequestSpec q{1, ctx, std::vector<int32_t>(a.md.block_table(r), a.md.block_table(r) + a.md.max_blocks_per_request)};
+    reqs.push_back(q);
+  }
+  BatchOptions bo;
+  bo.num_rows = a.md.num_rows;
+  const BatchMetadata md_b = plan_batch(reqs, a.cache.geometry(), bo);
+  HostTensor hidden_b(DType::bf16, {md_b.num_rows, cfg.hidden_size}), pos_b(DType::i64, {md_b.num_rows});
+  for (int64_t i = 0; i < hidden_b.numel(); ++i)
+    hidden_b.data<uint16_t>()[i] = float_to_bf16(float(std::sin(0.37 * double(i)) * 1.5));
+  std::copy(md_b.positions.begin(), md_b.positions.end(), pos_b.data<int64_t>());
+
+  cudaStream_t s = nullptr, aux = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&aux, cudaStreamNonBlocking));
+  cuda::LayerOptions lo;
+  lo.aux_stream = reinterpret_cast<cuda::Stream>(aux);
+  cuda::Layer layer(cfg, a.weights, lo);
+  const CacheGeometry& geo = a.cache.geometry();
+  cuda::DeviceCache dc = cuda::DeviceCache::allocate(geo.format, geo.block_size, geo.num_blocks);
+  const int64_t cache_bytes = geo.block_stride * geo.num_blocks;
+  const TensorView dev_bytes = dc.memory.view(DType::u8, {cache_bytes});
+  auto reset_cache = [&] {
+    cuda::copy_to_device(TensorView(a.cache.base(), DType::u8, {cache_bytes}), dev_bytes,
+                         reinterpret_cast<cuda::Stream>(s));
+  };
+  auto st = reinterpret_cast<cuda::Stream>(s);
+
+  cuda::DecodeShape shape;
+  shape.max_requests = 6;
+  shape.max_query_len = 1;
+  shape.max_blocks = a.md.max_blocks_per_request;
+  shape.max_seq_len = 251;
+  const cuda::Plan plan_a = layer.plan(a.md, dc.cache, &shape);
+  const cuda::Plan plan_b = layer.plan(md_b, dc.cache, &shape);
+  ASSERT_TRUE(plan_a.graph_safe());
+  ASSERT_EQ(plan_a.workspace_bytes(), plan_b.workspace_bytes());
+  cuda::DeviceBuffer ws(plan_a.workspace_bytes());
+
+  DeviceInputs in_a(a.hidden, a.positions, s);
+  // One device input buffer for the graph: batch B's inputs are copied into it.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  layer.upload(plan_a, ws.data(), st);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  layer.run(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  auto replay = [&](const cuda::Plan& p, const HostTensor& hidden, const HostTensor& pos, bool graphed) {
+    reset_cache();
+    cuda::copy_to_device(hidden.view(), in_a.hv, st);
+    cuda::copy_to_device(pos.view(), in_a.pv, st);
+    CUDA_EXPECT(cudaMemsetAsync(in_a.out.data(), 0xff, in_a.out.bytes(), s));  // poison
+    layer.upload(p, ws.data(), st);
+    if (graphed)
+      CUDA_EXPECT(cudaGraphLaunch(exec, s));
+    else
+      layer.run(p, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st);
+    HostTensor out(DType::bf16, {hidden.dim(0), hidden.dim(1)});
+    LatentCache cache = a.cache.clone();
+    cuda::copy_to_host(in_a.ov, out.view(), st);
+    cuda::copy_to_host(dev_bytes, TensorView(cache.base(), DType::u8, {cache_bytes}), st);
+    layer.check_errors(st);
+    return std::make_pair(std::move(out), std::move(cache));
+  };
+
+  for (int which = 0; which < 2; ++which) {
+    const cuda::Plan& p = which ? plan_b : plan_a;
+    const BatchMetadata& md = which ? md_b : a.md;
+    const HostTensor& hidden = which ? hidden_b : a.hidden;
+    const HostTensor& pos = which ? pos_b : a.positions;
+    auto [g_out, g_cache] = replay(p, hidden, pos, true);
+    auto [e_out, e_cache] = replay(p, hidden, pos, false);
+    const char* what = which ? "batch B" : "batch A";
+    EXPECT_EQ(std::memcmp(g_out.data<void>(), e_out.data<void>(), g_out.bytes()), 0) << what << ": replay != eager";
+    EXPECT_EQ(std::memcmp(g_cache.base(), e_cache.base(), size_t(cache_bytes)), 0) << what << ": caches differ";
+    expect_matches_oracle(cfg, a.weights, nullptr, pos, hidden, md, a.cache, g_out, what);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(aux));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+// ---- bad input ---------------------------------------------------------------------------------
+
+// The CPU and CUDA layers reject the same bad calls with the same messages (host checks), and
+// what only the device can see (positions past the RoPE table) raises the error flag.
+TEST(CudaLayer, BadInputGetsTheCpuErrors) {
+  REQUIRE_GPU();
+  Case c = verify::mixed_case("kimi-k3-dspark", CacheFormat::bf16, 16, 27);
+  c.rope_rows = 16;  // a short table: the batch's positions run past it
+  const verify::Inputs in = verify::make_inputs(c);
+  auto rope = RopeTable::build(c.config, c.rope_rows);
+  MlaLayer cpu_layer(c.config, in.weights, {}, rope);
+  cuda::Layer gpu_layer(c.config, in.weights, {}, rope);
+  const CacheGeometry& geo = in.cache.geometry();
+  cuda::DeviceCache dc = cuda::DeviceCache::allocate(geo.format, geo.block_size, geo.num_blocks);
+  HostTensor out(DType::bf16, {in.md.num_rows, c.config.hidden_size});
+  DeviceInputs d(in.hidden, in.positions, nullptr);
+
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      std::string m = e.what();
+      return m.substr(0, m.find(" ["));  // drop the file:line part
+    }
+    return "(no error)";
+  };
+  // Metadata planned causal for the non-causal draft layer.
+  BatchMetadata causal = in.md;
+  causal.causal_decode = true;
+  LatentCache host_cache = in.cache.clone();
+  EXPECT_EQ(message([&] { cpu_layer.forward(in.positions.view(), in.hidden.view(), &causal, host_cache, out.view()); }),
+            message([&] { gpu_layer.forward(d.pv, d.hv, &causal, dc.cache, d.ov, nullptr); }));
+  // A slot outside the cache.
+  BatchMetadata bad_slot = in.md;
+  bad_slot.slot_mapping[0] = geo.num_slots();
+  const std::string slot_msg =
+      message([&] { gpu_layer.forward(d.pv, d.hv, &bad_slot, dc.cache, d.ov, nullptr); });
+  EXPECT_NE(slot_msg.find("outside the cache's slots"), std::string::npos) << slot_msg;
+  EXPECT_EQ(slot_msg, message([&] { cpu_layer.forward(in.positions.view(), in.hidden.view(), &bad_slot, host_cache, out.view()); }));
+  // A block table entry outside the cache.
+  BatchMetadata bad_block = in.md;
+  bad_block.block_tables[0] = int32_t(geo.num_blocks + 5);
+  EXPECT_EQ(message([&] { cpu_layer.forward(in.positions.view(), in.hidden.view(), &bad_block, host_cache, out.view()); }),
+            message([&] { gpu_layer.forward(d.pv, d.hv, &bad_block, dc.cache, d.ov, nullptr); }));
+  // Host tensors given to the device layer.
+  EXPECT_NE(message([&] { gpu_layer.forward(in.positions.view(), in.hidden.view(), &in.md, dc.cache, d.ov, nullptr); })
+                .find("device"),
+            std::string::npos);
+  // A host cache given to the device layer.
+  EXPECT_NE(message([&] { gpu_layer.forward(d.pv, d.hv, &in.md, host_cache, d.ov, nullptr); }).find("cache"),
+            std::string::npos);
+  // Positions past the RoPE table: the CPU refuses on the host, the GPU flags it.
+  EXPECT_NE(message([&] { cpu_layer.forward(in.positions.view(), in.hidden.view(), &in.md, host_cache, out.view()); })
+                .find("position"),
+            std::string::npos);
+  gpu_layer.forward(d.pv, d.hv, &in.md, dc.cache, d.ov, nullptr);
+  EXPECT_NE(message([&] { gpu_layer.check_errors(nullptr); }).find("position outside the RoPE table"),
+            std::string::npos);
+  EXPECT_NO_THROW(gpu_layer.check_errors(nullptr));  // reading the flag clears it
+}
+
+}  // namespace
+}  // namespace kmla

@@ -1,0 +1,427 @@
+// Prefill attention (cuda::prefill_attention) against the CPU backend's fp32
+// prefill_attention_f32 on the same act-rounded inputs: bf16 and f16, causal and not, odd
+// lengths, several sequences per call (some empty), more keys than queries and fewer, shared
+// and per-head k_rope, and the layer's strided operands. Outputs are poisoned before each
+// call so every unwritten element and every write outside the sequences is caught.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <vector>
+
+#include "core/random.hpp"
+#include "cpu/kernels.hpp"
+#include "cuda/attention.cuh"
+#include "cuda/gpu.hpp"
+#include "kmla/error.hpp"
+#include "kmla/numeric.hpp"
+
+namespace kmla {
+namespace {
+
+using test::DevBuf;
+
+constexpr int kQk = 192, kNope = 128, kRope = 64, kV = 128;
+constexpr int kPadRows =
+    64;  // NaN rows past the last token of every input, poisoned rows of outputs
+
+float act_value(uint16_t code, DType act) {
+  return act == DType::bf16 ? bf16_to_float(code) : fp16_to_float(code);
+}
+uint16_t act_code(float x, DType act) {
+  return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
+}
+uint16_t act_nan(DType act) { return act == DType::bf16 ? 0x7fc0 : 0x7e00; }
+
+// One [rows, heads, width] operand inside a host buffer of 16-bit codes.
+struct HostOperand {
+  std::vector<uint16_t>* buf;
+  int64_t offset, row_stride, head_stride;
+  int width;
+  int64_t at(int64_t t, int h, int d) const {
+    return offset + t * row_stride + int64_t(h) * head_stride + d;
+  }
+};
+
+// Fills rows [0, rows) of `o` with act-rounded N(0, gain^2) values (a shared operand,
+// head_stride 0, is filled once).
+void fill_random(const HostOperand& o, int64_t rows, int heads, float gain, DType act,
+                 Random& rng) {
+  const int hs = o.head_stride == 0 ? 1 : heads;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int h = 0; h < hs; ++h)
+      for (int d = 0; d < o.width; ++d)
+        (*o.buf)[size_t(o.at(t, h, d))] = act_code(float(rng.normal()) * gain, act);
+}
+
+struct Case {
+  DType act = DType::bf16;
+  bool causal = true;
+  int heads = 3;
+  std::vector<int> q_lens;
+  std::vector<int> k_lens;     // empty: the same as q_lens
+  bool shared_rope = true;     // k_rope head_stride 0
+  bool layer_strides = false;  // the layer's operand layout (see below) instead of dense ones
+  int extra_max_q = 0;         // max_q_len passed = longest query run + this (a loose bound)
+  uint64_t seed = 1;
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream s;
+  s << dtype_name(c.act) << (c.causal ? " causal" : " non-causal") << " heads " << c.heads
+    << (c.shared_rope ? " shared-rope" : " per-head-rope")
+    << (c.layer_strides ? " layer-strides" : "") << " q_lens";
+  for (int n : c.q_lens) s << ' ' << n;
+  s << " k_lens";
+  for (int n : (c.k_lens.empty() ? c.q_lens : c.k_lens)) s << ' ' << n;
+  return s.str();
+}
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(describe(c));
+  const int H = c.heads;
+  const std::vector<int>& k_lens = c.k_lens.empty() ? c.q_lens : c.k_lens;
+  ASSERT_EQ(k_lens.size(), c.q_lens.size());
+  const int num_seqs = int(c.q_lens.size());
+  std::vector<int32_t> cu_q(1, 0), cu_k(1, 0);
+  for (int s = 0; s < num_seqs; ++s) {
+    cu_q.push_back(cu_q.back() + c.q_lens[size_t(s)]);
+    cu_k.push_back(cu_k.back() + k_lens[size_t(s)]);
+  }
+  const int64_t Tq = cu_q.back(), Tk = cu_k.back();
+  const int64_t q_rows = Tq + kPadRows, k_rows = Tk + kPadRows;
+
+  // Dense layout: q [T, H, 192], k_nope and v [T, H, 128] apart, k_rope [T, 64] or [T, H, 64],
+  // out [T, H, 128], lse [T, H].
+  // Layer layout: q rows of stride H*192 + 64 starting 32 elements into the buffer (a wider
+  // fused projection output); k_nope and v the two halves of one [T, H, 256] kv_b output;
+  // shared k_rope at column 512 of a [T, 576] latent row, per-head k_rope in a [T, H*64 + 8]
+  // buffer at offset 8; out with head stride 136 and row stride H*136 + 8; lse row stride H + 3.
+  // Every element of every input buffer that is not an operand element is NaN.
+  const bool L = c.layer_strides;
+  std::vector<uint16_t> q_buf, kv_buf, v_buf, rope_buf;
+  HostOperand q{&q_buf, L ? 32 : 0, L ? int64_t(H) * kQk + 64 : int64_t(H) * kQk, kQk, kQk};
+  HostOperand k_nope{&kv_buf, 0, int64_t(H) * (L ? 256 : kNope), L ? 256 : kNope, kNope};
+  HostOperand v = L ? HostOperand{&kv_buf, 128, int64_t(H) * 256, 256, kV}
+                    : HostOperand{&v_buf, 0, int64_t(H) * kV, kV, kV};
+  HostOperand k_rope = c.shared_rope
+                           ? (L ? HostOperand{&rope_buf, 512, 576, 0, kRope}
+                                : HostOperand{&rope_buf, 0, kRope, 0, kRope})
+                           : (L ? HostOperand{&rope_buf, 8, int64_t(H) * kRope + 8, kRope, kRope}
+                                : HostOperand{&rope_buf, 0, int64_t(H) * kRope, kRope, kRope});
+  const int64_t out_head_stride = L ? 136 : kV;
+  const int64_t out_row_stride = L ? H * 136 + 8 : int64_t(H) * kV;
+  const int64_t lse_row_stride = L ? H + 3 : H;
+
+  const uint16_t nan = act_nan(c.act);
+  q_buf.assign(size_t(q.offset + q_rows * q.row_stride), nan);
+  kv_buf.assign(size_t(k_rows * k_nope.row_stride), nan);
+  if (!L) v_buf.assign(size_t(k_rows * v.row_stride), nan);
+  rope_buf.assign(size_t(k_rope.offset + k_rows * k_rope.row_stride), nan);
+
+  Random rng(c.seed);
+  // q twice as large as k spreads the scaled scores (std ~2) so the softmax is far from flat
+  // and the running max changes from tile to tile.
+  fill_random(q, Tq, H, 2.0f, c.act, rng);
+  fill_random(k_nope, Tk, H, 1.0f, c.act, rng);
+  fill_random(k_rope, Tk, H, 1.0f, c.act, rng);
+  fill_random(v, Tk, H, 1.0f, c.act, rng);
+
+  // The reference's dense fp32 operands (the same act values), and |v| for the error bound.
+  std::vector<float> qf(size_t(Tq * H * kQk)), kf(size_t(Tk * H * kQk));
+  std::vector<float> vf(size_t(Tk * H * kV)), vabs(vf.size());
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < kQk; ++d)
+        qf[size_t((t * H + h) * kQk + d)] = act_value(q_buf[size_t(q.at(t, h, d))], c.act);
+  for (int64_t t = 0; t < Tk; ++t)
+    for (int h = 0; h < H; ++h) {
+      for (int d = 0; d < kNope; ++d)
+        kf[size_t((t * H + h) * kQk + d)] = act_value(kv_buf[size_t(k_nope.at(t, h, d))], c.act);
+      for (int d = 0; d < kRope; ++d)
+        kf[size_t((t * H + h) * kQk + kNope + d)] =
+            act_value(rope_buf[size_t(k_rope.at(t, h, d))], c.act);
+      for (int d = 0; d < kV; ++d) {
+        const float x = act_value((*v.buf)[size_t(v.at(t, h, d))], c.act);
+        vf[size_t((t * H + h) * kV + d)] = x;
+        vabs[size_t((t * H + h) * kV + d)] = std::fabs(x);
+      }
+    }
+  const float scale = 1.0f / std::sqrt(float(kQk));
+  std::vector<int64_t> cu_q64(cu_q.begin(), cu_q.end()), cu_k64(cu_k.begin(), cu_k.end());
+  std::vector<float> ref(size_t(Tq * H * kV)), ref_mag(ref.size()), ref_lse(size_t(Tq * H));
+  std::vector<float> mag_lse(ref_lse.size());
+  cpu::PrefillProblem prob;
+  prob.q = {qf.data(), int64_t(H) * kQk, kQk};
+  prob.k = {kf.data(), int64_t(H) * kQk, kQk};
+  prob.v = {vf.data(), int64_t(H) * kV, kV};
+  prob.out = ref.data();
+  prob.out_row_stride = int64_t(H) * kV;
+  prob.out_head_stride = kV;
+  prob.lse = ref_lse.data();
+  prob.lse_row_stride = H;
+  prob.heads = H;
+  prob.cu_q = &cu_q64;
+  prob.cu_k = &cu_k64;
+  prob.causal = c.causal;
+  prob.scale = scale;
+  cpu::prefill_attention_f32(prob, 4);
+  // mag = sum_j p_j |v_j| / l: bounds the effect of rounding P to act (see the tolerance).
+  prob.v.ptr = vabs.data();
+  prob.out = ref_mag.data();
+  prob.lse = mag_lse.data();
+  cpu::prefill_attention_f32(prob, 4);
+
+  DevBuf<uint16_t> d_q(q_buf), d_kv(kv_buf), d_rope(rope_buf);
+  DevBuf<uint16_t> d_v(L ? std::vector<uint16_t>(1) : v_buf);
+  DevBuf<int32_t> d_cu_q(cu_q), d_cu_k(cu_k);
+  DevBuf<uint16_t> d_out(size_t(q_rows * out_row_stride));
+  DevBuf<float> d_lse(size_t(q_rows * lse_row_stride));
+  d_out.fill_bytes(0xFF);
+  d_lse.fill_bytes(0xFF);
+
+  cuda::PrefillParams p;
+  p.q = {d_q.ptr + q.offset, q.row_stride, q.head_stride};
+  p.k_nope = {d_kv.ptr + k_nope.offset, k_nope.row_stride, k_nope.head_stride};
+  p.k_rope = {d_rope.ptr + k_rope.offset, k_rope.row_stride, k_rope.head_stride};
+  p.v = {(L ? d_kv.ptr : d_v.ptr) + v.offset, v.row_stride, v.head_stride};
+  p.out = d_out.ptr;
+  p.out_row_stride = out_row_stride;
+  p.out_head_stride = out_head_stride;
+  p.lse = d_lse.ptr;
+  p.lse_row_stride = lse_row_stride;
+  p.heads = H;
+  p.cu_q = d_cu_q.ptr;
+  p.cu_k = d_cu_k.ptr;
+  p.num_seqs = num_seqs;
+  p.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end()) + c.extra_max_q;
+  p.causal = c.causal;
+  p.softmax_scale = scale;
+  p.act = c.act;
+  cuda::prefill_attention(p, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> out = d_out.download();
+  const std::vector<float> lse = d_lse.download();
+
+  // Tolerance. The kernel differs from the fp32 reference by (a) P rounded to act before
+  // P.V: |error| <= u * sum_j p_j |v_j| / l = u * mag (u = half an ulp at 1, relative), and
+  // (b) one rounding of the output: <= u * |out| <= u * mag; fp32 effects (accumulation
+  // order, ex2.approx) are ~1e-6 relative. So |error| <= 2u * mag = 1 ulp(1) * mag; we allow
+  // 2 ulp(1) * mag, plus 1e-5 absolute for f16 subnormal P and the fp32 noise at tiny mag.
+  const float ulp1 = c.act == DType::bf16 ? 0x1p-7f : 0x1p-10f;
+  std::vector<char> out_written(out.size(), 0), lse_written(lse.size(), 0);
+  int bad = 0;
+  double worst = 0;  // largest |error| / tolerance seen
+  auto report = [&](const std::string& what) {
+    if (++bad <= 8) ADD_FAILURE() << what;
+  };
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int64_t t = cu_q[size_t(s)]; t < cu_q[size_t(s) + 1]; ++t) {
+      for (int h = 0; h < H; ++h) {
+        const int64_t li = t * lse_row_stride + h;
+        lse_written[size_t(li)] = 1;
+        const float want_lse = ref_lse[size_t(t * H + h)], got_lse = lse[size_t(li)];
+        const bool lse_ok = std::isinf(want_lse)
+                                ? (std::isinf(got_lse) && got_lse < 0)
+                                // LSE = max + log(l): fp32 noise ~1e-6; 1e-3 is a loose cap.
+                                : std::fabs(got_lse - want_lse) <= 1e-3f;
+        if (!lse_ok) {
+          std::ostringstream m;
+          m << "lse seq " << s << " row " << t << " head " << h << ": got " << got_lse << " want "
+            << want_lse;
+          report(m.str());
+        }
+        for (int d = 0; d < kV; ++d) {
+          const int64_t oi = t * out_row_stride + h * out_head_stride + d;
+          out_written[size_t(oi)] = 1;
+          const float got = act_value(out[size_t(oi)], c.act);
+          const float want = ref[size_t((t * H + h) * kV + d)];
+          const float tol = 2.0f * ulp1 * ref_mag[size_t((t * H + h) * kV + d)] + 1e-5f;
+          const float err = std::fabs(got - want);
+          if (!(err <= tol)) {  // NaN fails here
+            std::ostringstream m;
+            m << "out seq " << s << " row " << t << " head " << h << " dim " << d << ": got " << got
+              << " want " << want << " tol " << tol;
+            report(m.str());
+          }
+          worst = std::max(worst, double(err) / tol);
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < out.size(); ++i)
+    if (!out_written[i] && out[i] != 0xFFFF)
+      report("out element " + std::to_string(i) + " written");
+  for (size_t i = 0; i < lse.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &lse[i], 4);
+    if (!lse_written[i] && bits != 0xFFFFFFFFu)
+      report("lse element " + std::to_string(i) + " written");
+  }
+  EXPECT_EQ(bad, 0) << "mismatches; worst error / tolerance " << worst;
+}
+
+TEST(CudaPrefill, SingleSequenceLengths) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (DType act : {DType::bf16, DType::f16})
+    for (bool causal : {true, false})
+      for (int len : {1, 63, 64, 65, 200}) {
+        Case c;
+        c.act = act;
+        c.causal = causal;
+        c.heads = 3;
+        c.q_lens = {len};
+        c.shared_rope = (len % 2) == 1;
+        c.seed = ++seed;
+        run_case(c);
+      }
+}
+
+TEST(CudaPrefill, MixedSequencesWithEmptyOnes) {
+  KMLA_REQUIRE_GPU();
+  for (bool causal : {true, false}) {
+    Case c;
+    c.causal = causal;
+    c.heads = 16;
+    c.q_lens = {0, 5, 130, 0, 64, 1, 257, 0};
+    c.extra_max_q = 200;  // CTAs of query blocks past every sequence must exit cleanly
+    c.seed = causal ? 7 : 8;
+    run_case(c);
+  }
+}
+
+TEST(CudaPrefill, MoreKeysThanQueries) {
+  KMLA_REQUIRE_GPU();
+  // Context chunks: m > n (bottom-right causal: the first query already sees m - n + 1 keys).
+  uint64_t seed = 20;
+  for (DType act : {DType::bf16, DType::f16})
+    for (bool causal : {true, false})
+      for (int heads : {1, 3}) {
+        Case c;
+        c.act = act;
+        c.causal = causal;
+        c.heads = heads;
+        c.q_lens = {1, 37, 128, 65, 3, 0};
+        c.k_lens = {70, 137, 300, 129, 3, 50};
+        c.shared_rope = heads == 1;
+        c.seed = ++seed;
+        run_case(c);
+      }
+}
+
+TEST(CudaPrefill, FewerKeysThanQueriesAndNoKeys) {
+  KMLA_REQUIRE_GPU();
+  // m < n: with causal the first n - m rows see nothing (zeros, -inf); m = 0 rows see nothing
+  // either way.
+  for (bool causal : {true, false}) {
+    Case c;
+    c.causal = causal;
+    c.heads = 3;
+    c.q_lens = {3, 4, 150, 9};
+    c.k_lens = {0, 2, 70, 9};
+    c.shared_rope = false;
+    c.seed = causal ? 31 : 32;
+    run_case(c);
+  }
+}
+
+TEST(CudaPrefill, LayerStrides) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 40;
+  for (DType act : {DType::bf16, DType::f16})
+    for (bool causal : {true, false})
+      for (bool shared_rope : {true, false}) {
+        Case c;
+        c.act = act;
+        c.causal = causal;
+        c.heads = 16;
+        c.q_lens = {200, 65};
+        c.k_lens = {200, 321};
+        c.shared_rope = shared_rope;
+        c.layer_strides = true;
+        c.seed = ++seed;
+        run_case(c);
+      }
+}
+
+TEST(CudaPrefill, LongerSequence) {
+  KMLA_REQUIRE_GPU();
+  // Many key tiles (both smem stages reused many times) and several query blocks.
+  Case c;
+  c.heads = 4;
+  c.q_lens = {777};
+  c.k_lens = {1000};
+  c.layer_strides = true;
+  c.seed = 50;
+  run_case(c);
+  c.act = DType::f16;
+  c.causal = false;
+  c.k_lens = {777};
+  c.seed = 51;
+  run_case(c);
+}
+
+// Host-side validation happens before any CUDA call, so this runs without a GPU too.
+TEST(CudaPrefill, RejectsBadArguments) {
+  alignas(16) static uint16_t dummy[1024];
+  static int32_t cu[2] = {0, 1};
+  auto valid = [&] {
+    cuda::PrefillParams p;
+    p.q = {dummy, 3 * 192, 192};
+    p.k_nope = {dummy, 3 * 256, 256};
+    p.k_rope = {dummy, 64, 0};
+    p.v = {dummy + 128, 3 * 256, 256};
+    p.out = dummy;
+    p.out_row_stride = 3 * 128;
+    p.out_head_stride = 128;
+    p.lse = reinterpret_cast<float*>(dummy);
+    p.lse_row_stride = 3;
+    p.heads = 3;
+    p.cu_q = cu;
+    p.cu_k = cu;
+    p.num_seqs = 1;
+    p.max_q_len = 1;
+    p.softmax_scale = 0.1f;
+    return p;
+  };
+  auto expect_error = [&](cuda::PrefillParams p, const char* needle) {
+    try {
+      cuda::prefill_attention(p, nullptr);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  cuda::PrefillParams p = valid();
+  p.q.row_stride += 4;  // 8 bytes: not a multiple of 16
+  expect_error(p, "q.row_stride");
+  p = valid();
+  p.v.head_stride = 260;
+  expect_error(p, "v.head_stride");
+  p = valid();
+  p.k_rope.ptr = dummy + 4;
+  expect_error(p, "k_rope.ptr");
+  p = valid();
+  p.out_head_stride = 130;
+  expect_error(p, "out.head_stride");
+  p = valid();
+  p.heads = 0;
+  expect_error(p, "heads");
+  p = valid();
+  p.heads = 129;
+  expect_error(p, "heads");
+  p = valid();
+  p.softmax_scale = 0.0f;
+  expect_error(p, "softmax_scale");
+  p = valid();
+  p.act = DType::f32;
+  expect_error(p, "bf16 or f16");
+}
+
+}  // namespace
+}  // namespace kmla
