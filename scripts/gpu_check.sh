@@ -11,20 +11,35 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 start=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DKMLA_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" >/dev/null &&
+cmake -S . -B build-gpu -G Ninja -DKMLA_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" ${CMAKE_EXTRA:-} >/dev/null &&
   cmake --build build-gpu -j "$(nproc)" >"$out/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - start )) s"
 if [ $rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
+rm -f "$out/build.log"  # at most 8 files come back from the GPU machine
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ctest --test-dir build-gpu -R "$regex" -j 4 --timeout 300 --output-on-failure >"$out/ctest.log" 2>&1
   echo "ctest rc=$?"
   grep -E "tests passed|Failed|\*\*\*|Not Run|Timeout" "$out/ctest.log" | head -60
 fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # compute-sanitizer on a representative subset: every kernel family once, small shapes.
+  t=build-gpu/tests
+  log="$out/sanitize.log"; : >"$log"
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $t/kmla_cuda_kernel_tests \
+      --gtest_filter='CudaDecode.Bf16CacheMixedLengths:CudaDecode.DsMla*:CudaPrefill.MixedSequences*:CudaKernels.*:CudaGemm.BatchedNn*:CudaGemm.LinearFp8Slices*' \
+      >>"$log" 2>&1; echo "$tool kernels rc=$?" | tee -a "$log"
+  done
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/kmla_cuda_layer_tests \
+    --gtest_filter='CudaGraph.*:Grid/CudaCase.HopperPathMatchesOracle/kimi_k3_dspark_small_fp8_ds_mla_bs16' \
+    >>"$log" 2>&1; echo "memcheck layer rc=$?" | tee -a "$log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$log" | sort | uniq -c | head -20
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   build-gpu/kmla bench --json ${BENCH_ARGS:-} > "$out/bench.json" 2>"$out/bench.err"
   echo "bench rc=$?"; tail -5 "$out/bench.err"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k:v for k,v in d.items() if k!='cases'})); [print(c.get('name'), c.get('us'), c.get('tb_s'), c.get('tflops'), c.get('frac_copy_bw'), c.get('error','')) for c in d.get('cases',[])]" "$out/bench.json"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(c.get('name'), round(c.get('us') or 0, 1), round(c.get('frac_copy_bw') or c.get('tflops') or 0, 3), c.get('error', '')) for c in d.get('cases', [])]" "$out/bench.json"
   PYTHONUNBUFFERED=1 python3 bench/peers/torch_peers.py --json "$out/peers.json" 2>&1 | tee "$out/peers.txt" | tail -20
 fi
 echo "total $(( $(date +%s) - start )) s"

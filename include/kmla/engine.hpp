@@ -76,6 +76,7 @@ struct EngineOptions {
   int64_t workspace_tokens = 4096;  // context chunk workspace
   uint64_t seed = 1;
   int num_threads = 0;              // CPU backend threads (0 = all)
+  bool cuda = false;                // run the layers on the GPU (builds with the CUDA backend)
   int check_requests = 2;           // the shortest requests, recomputed by the fp64 oracle after the run
   // Keep every request's output rows in RequestRecord::outputs (tests compare schedules).
   bool record_outputs = false;

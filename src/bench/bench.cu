@@ -391,6 +391,7 @@ Result run_layer_decode(const Case& c, Context& ctx) {
   cuda::LayerOptions lo;
   lo.portable = ctx.portable;
   lo.aux_stream = ctx.aux_stream;
+  lo.partial_output = cfg.tp_size > 1;  // one rank of the TP group: its partial o_proj sum, no all-reduce
   cuda::Layer layer(cfg, weights, lo);
 
   const int64_t blocks_each = cuda::ceil_div(c.seq, c.block_size);
@@ -455,6 +456,7 @@ Result run_layer_prefill(const Case& c, Context& ctx) {
   cuda::LayerOptions lo;
   lo.portable = ctx.portable;
   lo.aux_stream = ctx.aux_stream;
+  lo.partial_output = cfg.tp_size > 1;  // one rank of the TP group: its partial o_proj sum, no all-reduce
   cuda::Layer layer(cfg, weights, lo);
 
   const int64_t blocks = cuda::ceil_div(c.tokens, c.block_size);

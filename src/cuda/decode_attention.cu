@@ -31,8 +31,9 @@ constexpr int kStages = 2;                  // cp.async stages of key tiles
 constexpr int kRowBytes = kLatentDim * 2;   // one 576-wide row in T: 1152 B
 constexpr int kRowChunks = kRowBytes / 16;  // 72 chunks of 16 B
 constexpr int kPStride = kKeyTile + 8;      // P row stride (elements): 80 B, conflict-free
-constexpr int kMaxSplits = 32;              // the combine gives one lane per split
+constexpr int kMaxSplits = 1024;            // combine weights in shared memory: 4 KB
 constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
+constexpr int kDsMlaEntryBytes = 656;       // 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -157,37 +158,51 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
          (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
 }
 
-// 8 e4m3 codes -> 8 T values, exact (e4m3 -> f16 is exact, f16 -> float -> bf16 too).
+// 4 e4m3 codes -> 4 T (the conversion pass's form: one hardware cvt per pair on sm_89+,
+// then for bf16 two f16 -> f32 and one packing f32x2 -> bf16x2 cvt; all exact).
 template <class T>
-__device__ __forceinline__ uint4 e4m3x8_to_act(uint2 codes) {
-  uint32_t w[4];
-  const uint32_t in[2] = {codes.x, codes.y};
+__device__ __forceinline__ uint2 e4m3x4_to_act(uint32_t codes) {
+  uint32_t w[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto pair = __nv_fp8x2_storage_t((in[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+  for (int i = 0; i < 2; ++i) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes >> (16 * i)), __NV_E4M3);
     if constexpr (std::is_same_v<T, fp16>) {
       w[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
     } else {
       const float2 f = __half22float2(__half2(h));
-      w[i] = pack2<bf16>(f.x, f.y);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+      w[i] = reinterpret_cast<const uint32_t&>(b);
     }
   }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint2(w[0], w[1]);
 }
 
-// 8 fp8_ds_mla kv codes -> T: bf16(float(code) * scale) (the gather's rounding), then T.
+// 8 e4m3 codes -> 8 T (the fp8 queries).
 template <class T>
-__device__ __forceinline__ uint4 e4m3x8_scaled_to_act(uint2 codes, float scale) {
-  uint32_t w[4];
-  const uint32_t in[2] = {codes.x, codes.y};
+__device__ __forceinline__ uint4 e4m3x8_to_act(uint2 codes) {
+  const uint2 lo = e4m3x4_to_act<T>(codes.x), hi = e4m3x4_to_act<T>(codes.y);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// 4 fp8_ds_mla codes -> 4 T: bf16(float(code) * scale), then T. For bf16 the one rounding
+// is the packing cvt (no round trip through float); f16 needs the bf16 rounding first.
+template <class T>
+__device__ __forceinline__ uint2 e4m3x4_scaled_to_act(uint32_t codes, float scale) {
+  uint32_t w[2];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto pair = __nv_fp8x2_storage_t((in[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-    w[i] = pack2<T>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
+  for (int i = 0; i < 2; ++i) {
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes >> (16 * i)), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    if constexpr (std::is_same_v<T, bf16>) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+      w[i] = reinterpret_cast<const uint32_t&>(b);
+    } else {
+      w[i] = pack2<fp16>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
+    }
   }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint2(w[0], w[1]);
 }
 
 // 8 bf16 -> 8 T.
@@ -358,22 +373,95 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
 
     const int stage = t % kStages;
     if constexpr (kConvert) {
+      // Raw fp8 tile -> T tile. Every thread converts groups of 16 codes (one 16-byte
+      // shared load, two 16-byte stores); all of a thread's loads are issued before the
+      // first conversion so their latencies overlap (rows 16: 9 groups = 36 registers; the
+      // 32/64-row kernels, capped at 128 registers with 64 accumulators live, go one by one).
+      // Budget per thread and tile, rows 16 (128 threads), bf16: plain fp8 9 groups x
+      // (1 LDS.128 + 8 pairs x 4 cvt + 2 STS.128 + ~4 address) ~ 350 instructions;
+      // ds_mla 8 code groups x (LDS.128 + LDS scale + 8 x (3 cvt + 2 FMUL + 1 cvt) + 2 STS)
+      // + 2 rope groups ~ 450; the old pass (8 codes per item, f32 round trips, a format
+      // branch per item) took ~700 / ~1100 and had no load-level parallelism.
       const std::byte* raw = raw_s + stage * kKeyTile * a.entry_bytes;
-      for (int i = tid; i < kKeyTile * kRowChunks; i += kThreads) {
-        const int key = i / kRowChunks, c = i % kRowChunks;
-        const std::byte* row = raw + key * a.entry_bytes;
-        uint4 v;
-        if (a.format == CacheFormat::fp8) {
-          v = e4m3x8_to_act<T>(*reinterpret_cast<const uint2*>(row + c * 8));
-        } else if (c < kKvLoraRank / 8) {
-          const float scale =
-              reinterpret_cast<const float*>(row + kDsMlaScaleOffset)[c / (kDsMlaTile / 8)];
-          v = e4m3x8_scaled_to_act<T>(*reinterpret_cast<const uint2*>(row + c * 8), scale);
-        } else {
-          v = bf16x8_to_act<T>(
-              *reinterpret_cast<const uint4*>(row + kDsMlaRopeOffset + (c - 64) * 16));
+      auto store16 = [&](int key, int chunk, uint2 lo, uint2 hi) {
+        *reinterpret_cast<uint4*>(tiles_s + swz(key, chunk)) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      };
+      // Group i of 16 codes: key i / kGroupsPerKey, codes 16 g .. 16 g + 15 (g = i %
+      // kGroupsPerKey; ds_mla: scale g / 8) -> T chunks 2g and 2g + 1. The 16-row kernel
+      // has compile-time sizes per format (multiply-shift index arithmetic, no division).
+      auto convert_tile = [&]<bool kPlain>() {
+        constexpr int kGroupsPerKey = (kPlain ? kLatentDim : kKvLoraRank) / 16;
+        constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
+        constexpr int kGroups = kKeyTile * kGroupsPerKey;
+        auto load_group = [&](int i, uint4& v, float& scale) {
+          const std::byte* row = raw + (i / kGroupsPerKey) * kEntry;
+          const int g = i % kGroupsPerKey;
+          v = *reinterpret_cast<const uint4*>(row + g * 16);
+          scale = kPlain ? 1.0f : reinterpret_cast<const float*>(row + kDsMlaScaleOffset)[g / 8];
+        };
+        auto convert_group = [&](int i, const uint4& v, float scale) {
+          const int key = i / kGroupsPerKey, g = i % kGroupsPerKey;
+          if constexpr (kPlain) {
+            store16(key, 2 * g, e4m3x4_to_act<T>(v.x), e4m3x4_to_act<T>(v.y));
+            store16(key, 2 * g + 1, e4m3x4_to_act<T>(v.z), e4m3x4_to_act<T>(v.w));
+          } else {
+            store16(key, 2 * g, e4m3x4_scaled_to_act<T>(v.x, scale),
+                    e4m3x4_scaled_to_act<T>(v.y, scale));
+            store16(key, 2 * g + 1, e4m3x4_scaled_to_act<T>(v.z, scale),
+                    e4m3x4_scaled_to_act<T>(v.w, scale));
+          }
+        };
+        constexpr int kPer = (kGroups + kThreads - 1) / kThreads;  // 9 plain, 8 ds_mla
+        uint4 v[kPer];
+        float scale[kPer];
+#pragma unroll
+        for (int k = 0; k < kPer; ++k)
+          if (kGroups % kThreads == 0 || tid + k * kThreads < kGroups)
+            load_group(tid + k * kThreads, v[k], scale[k]);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k)
+          if (kGroups % kThreads == 0 || tid + k * kThreads < kGroups)
+            convert_group(tid + k * kThreads, v[k], scale[k]);
+      };
+      // The 32 / 64-row kernels (128 registers, 64 accumulators live) convert one group at a
+      // time with the format read at run time: the per-format unrolled form spills there.
+      auto convert_tile_small = [&]() {
+        const bool plain = a.format == CacheFormat::fp8;
+        const int groups_per_key = plain ? kLatentDim / 16 : kKvLoraRank / 16;
+#pragma unroll 1
+        for (int i = tid; i < kKeyTile * groups_per_key; i += kThreads) {
+          const int key = i / groups_per_key, g = i % groups_per_key;
+          const std::byte* row = raw + key * a.entry_bytes;
+          const uint4 v = *reinterpret_cast<const uint4*>(row + g * 16);
+          if (plain) {
+            store16(key, 2 * g, e4m3x4_to_act<T>(v.x), e4m3x4_to_act<T>(v.y));
+            store16(key, 2 * g + 1, e4m3x4_to_act<T>(v.z), e4m3x4_to_act<T>(v.w));
+          } else {
+            const float scale = reinterpret_cast<const float*>(row + kDsMlaScaleOffset)[g / 8];
+            store16(key, 2 * g, e4m3x4_scaled_to_act<T>(v.x, scale),
+                    e4m3x4_scaled_to_act<T>(v.y, scale));
+            store16(key, 2 * g + 1, e4m3x4_scaled_to_act<T>(v.z, scale),
+                    e4m3x4_scaled_to_act<T>(v.w, scale));
+          }
         }
-        *reinterpret_cast<uint4*>(tiles_s + swz(key, c)) = v;
+      };
+      const bool plain = a.format == CacheFormat::fp8;
+      if constexpr (ROWS != 16) {
+        convert_tile_small();
+      } else if (plain) {
+        convert_tile.template operator()<true>();
+      } else {
+        convert_tile.template operator()<false>();
+      }
+      if (!plain) {
+        // rope: 64 bf16 per key = 8 chunks, chunk 64 + q of the T row
+#pragma unroll 1
+        for (int i = tid; i < kKeyTile * 8; i += kThreads) {
+          const int key = i / 8, q = i % 8;
+          const std::byte* src = raw + key * kDsMlaEntryBytes + kDsMlaRopeOffset + q * 16;
+          *reinterpret_cast<uint4*>(tiles_s + swz(key, 64 + q)) =
+              bf16x8_to_act<T>(*reinterpret_cast<const uint4*>(src));
+        }
       }
       __syncthreads();
     }
@@ -514,51 +602,93 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
 }
 
 // ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
-// One warp per query row, lane s holds split s's LSE; each lane owns 16 of the 512 output
-// columns (4 float4). A split with LSE -inf wrote no partial output and is skipped (its
-// workspace may hold anything, even NaN).
+// Must stay fast from 2 to kMaxSplits splits and from 1 to thousands of rows, so the work
+// of one row is spread over `lanes` split lanes x (256 / lanes) float4 column lanes, lanes
+// = the power of two >= num_splits capped at 32 (one CTA of 256 threads covers 4 x 256 /
+// lanes columns, so a row takes lanes / 2 CTAs: 1 for 2 splits, 16 for >= 32 splits).
+//   1. every CTA of the row reduces max_s lse_s (the LSEs are contiguous: one coalesced
+//      read) and stores the weights exp(lse_s - max) in shared memory (4 KB);
+//   2. split lane j accumulates splits j, j + lanes, ... of its float4 column: for a fixed
+//      split the column lanes read consecutive 16 B (>= 128 B per split and row);
+//   3. the split lanes' float4 sums are added through shared memory (4 KB) and written.
+// A split with LSE -inf wrote no partial output and is never read (its workspace may hold
+// anything, even NaN). With 1 row and 264 splits this gives 16 CTAs x 256 threads each
+// with ~8 independent 16-byte loads, instead of one warp reading 540 KB alone.
+constexpr int kCombineThreads = 256;
+
 template <class T>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int64_t item = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  if (item >= int64_t(a.num_requests) * a.max_rows) return;
+__global__ void __launch_bounds__(kCombineThreads)
+    decode_combine_kernel(const DecodeArgs a, int lanes) {
+  __shared__ float weight_s[kMaxSplits];
+  __shared__ float red_s[kCombineThreads / 32];
+  __shared__ float4 part_s[kCombineThreads];
+  const int tid = threadIdx.x;
+  const int64_t item = blockIdx.x;  // (request, row) pair
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
-  if (row >= a.query_lens[r] * a.heads) return;
-  const int64_t w0 = item * a.num_splits;
-  const float my_lse = lane < a.num_splits ? a.ws_lse[w0 + lane] : kNegInf;
-  float big = my_lse;
+  if (row >= a.query_lens[r] * a.heads) return;  // uniform over the CTA
+  const int S = a.num_splits;
+  const float* lse_in = a.ws_lse + item * S;
+
+  float big = kNegInf;
+  for (int s = tid; s < S; s += kCombineThreads) big = fmaxf(big, lse_in[s]);
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  if ((tid & 31) == 0) red_s[tid >> 5] = big;
+  __syncthreads();
+  big = red_s[0];
+#pragma unroll
+  for (int w = 1; w < kCombineThreads / 32; ++w) big = fmaxf(big, red_s[w]);
+
+  const int col_lanes = kCombineThreads / lanes;  // float4 columns per CTA
+  const int split_lane = tid / col_lanes;
+  const int col = (blockIdx.y * col_lanes + tid % col_lanes) * 4;
   const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
   T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank;
-  if (big == kNegInf) {
-    for (int j = 0; j < 4; ++j)
-      *reinterpret_cast<uint2*>(out + j * 128 + lane * 4) = make_uint2(0, 0);
-    if (lane == 0) a.lse[out_row] = kNegInf;
+  if (big == kNegInf) {  // no split saw a key: zeros and -inf
+    if (split_lane == 0) *reinterpret_cast<uint2*>(out + col) = make_uint2(0, 0);
+    if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = kNegInf;
     return;
   }
-  const float weight = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
-  float total = weight;
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  float4 sum[4] = {};
-  for (int s = 0; s < a.num_splits; ++s) {
-    const float ws = __shfl_sync(0xffffffffu, weight, s);
-    if (ws == 0.0f) continue;  // warp-uniform
-    const float* o = a.ws_o + (w0 + s) * kKvLoraRank + lane * 4;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 v = *reinterpret_cast<const float4*>(o + j * 128);
-      sum[j].x += ws * v.x;
-      sum[j].y += ws * v.y;
-      sum[j].z += ws * v.z;
-      sum[j].w += ws * v.w;
+  float total = 0.0f;
+  for (int s = tid; s < S; s += kCombineThreads) {
+    const float l = lse_in[s];
+    const float w = l == kNegInf ? 0.0f : expf(l - big);
+    weight_s[s] = w;
+    total += w;
+  }
+  __syncthreads();  // weights visible; red_s free again
+
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* o = a.ws_o + item * S * kKvLoraRank + col;
+#pragma unroll 4
+  for (int s = split_lane; s < S; s += lanes) {
+    const float w = weight_s[s];
+    if (w != 0.0f) {
+      const float4 v = *reinterpret_cast<const float4*>(o + int64_t(s) * kKvLoraRank);
+      sum.x += w * v.x;
+      sum.y += w * v.y;
+      sum.z += w * v.z;
+      sum.w += w * v.w;
     }
   }
-  const float inv = 1.0f / total;
+  for (int o2 = 16; o2 > 0; o2 >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o2);
+  if ((tid & 31) == 0) red_s[tid >> 5] = total;
+  part_s[tid] = sum;
+  __syncthreads();
+  if (split_lane != 0) return;
+  total = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    *reinterpret_cast<uint2*>(out + j * 128 + lane * 4) = make_uint2(
-        pack2<T>(sum[j].x * inv, sum[j].y * inv), pack2<T>(sum[j].z * inv, sum[j].w * inv));
-  if (lane == 0) a.lse[out_row] = big + logf(total);
+  for (int w = 0; w < kCombineThreads / 32; ++w) total += red_s[w];
+  for (int j = 1; j < lanes; ++j) {
+    const float4 v = part_s[j * col_lanes + tid];
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  const float inv = 1.0f / total;
+  *reinterpret_cast<uint2*>(out + col) =
+      make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
+  if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = big + logf(total);
 }
 
 // ---- host side ------------------------------------------------------------------------
@@ -568,10 +698,13 @@ int rows_per_cta_for(int rows_per_request) {
 
 // Split-KV heuristic. `ctas` CTAs exist per split (requests x row tiles); `slots` CTAs fit
 // on the GPU at once. More splits fill the GPU when there are few requests, but each one
-// costs a partial write and a combine read, and a split of fewer than kMinKeysPerSplit keys
-// is mostly pipeline start-up. Among 1..max splits, take the one whose last wave is fullest
-// (CTAs / (waves * slots)), preferring fewer splits when within 3 % of the best: e.g. 128
-// requests x 16 heads on 132 SMs x 2 slots -> 2 splits (256 of 264 slots busy).
+// costs a partial write and a combine read (2 KB per row, against >= 256 x 1152 B of keys
+// read: <= 1 % extra for one row of bf16, 7 % for a 16-row tile), and a split of fewer than
+// kMinKeysPerSplit keys is mostly pipeline start-up. Among 1..max splits (no cap but
+// kMaxSplits), take the one whose last wave is fullest (CTAs / (waves * slots)), preferring
+// fewer splits when within 3.5 % of the best. On H200 (132 SMs x 2 slots):
+//   128 req x 16 heads -> 2 splits (256 of 264 slots);  32 x 12 heads, 32K keys -> 8 (256);
+//   4 x 12 heads, 256K keys -> 64 (256);  1 x 12 heads, 64K keys -> 247, 1M -> 255.
 int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   if (ctas <= 0) return 1;
   const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
@@ -582,7 +715,7 @@ int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   double best = 0.0;
   for (int s = 1; s <= max_splits; ++s) best = std::max(best, fill(s));
   for (int s = 1; s <= max_splits; ++s)
-    if (fill(s) >= best - 0.03) return s;
+    if (fill(s) >= best - 0.035) return s;
   return 1;
 }
 
@@ -649,8 +782,8 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
 
 // The launch depends only on the plan, batch.num_requests and heads (never on lengths read
 // from the device), so a captured graph replays with any lengths of the planned shape.
-// Callers (the tests do) may overwrite plan.num_splits (1..32) and plan.rows_per_cta (16, 32,
-// 64) after plan_decode, provided plan.workspace_bytes still covers the workspace layout
+// Callers (the tests do) may overwrite plan.num_splits (1..1024) and plan.rows_per_cta
+// (16, 32, 64) after plan_decode, provided plan.workspace_bytes still covers the workspace layout
 // (workspace_layout above: num_requests x max_query_len x heads x num_splits x (512 + 1)
 // fp32, two 256-byte aligned parts); this is checked here.
 void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
@@ -740,7 +873,10 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
     }
     if (plan.num_splits > 1) {
       const int64_t items = int64_t(b.num_requests) * a.max_rows;
-      decode_combine_kernel<T><<<unsigned(ceil_div(items, 4)), 128, 0, stream>>>(a);
+      int lanes = 2;
+      while (lanes < 32 && lanes < plan.num_splits) lanes *= 2;
+      const dim3 combine_grid(unsigned(items), unsigned(lanes / 2));
+      decode_combine_kernel<T><<<combine_grid, kCombineThreads, 0, stream>>>(a, lanes);
       KMLA_LAUNCH_CHECK();
     }
   });

@@ -8,11 +8,14 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <string>
 
 #include "cuda/gemm.cuh"
 
@@ -32,15 +35,48 @@ namespace {
 constexpr int64_t kGroup = 128;  // activation group along K = weight block edge
 // cuBLAS recommends 32 MiB of workspace on Hopper; split-K partial sums live here.
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-// The activation scales are stored K-group-major with the tokens contiguous: scale (m, g) at
-// g * pitch + m. cuBLASLt reads a VEC128 operand's scales "outer-dimension major" with no leading
-// dimension of their own, i.e. pitch == M (PyTorch's scaled_mm passes [M, K/128] with strides
-// (1, M) for its 1x128 operand and pads only the 128x128 operand's scales). kActScalePad rounds
-// the pitch up; set it to 4 if a GPU run shows cuBLASLt wanting 16-byte aligned columns for M
-// not a multiple of 4 (the W8A8 tests compare M = 1 and 33 against fp64 on both paths).
-constexpr int64_t kActScalePad = 1;
 
-int64_t act_scale_pitch(int64_t M) { return ceil_div(M, kActScalePad) * kActScalePad; }
+// What cuBLASLt's 128-element (VEC128_32F) / 128x128 (BLK128x128_32F) block-scaled FP8 GEMM
+// needs on sm_90, as gathered from (paraphrased; the GPU probe tests/cuda/probe_cublaslt_fp8.cu
+// checks each point on the real library):
+//  - cuBLAS docs, "128-element 1D and 128x128 2D block scaling for FP8" and cublasLtMatmul():
+//    compute capability 9.0 only; A and B e4m3/e5m2 in the TN form (A transposed, B not),
+//    CUBLAS_COMPUTE_32F with CUDA_R_32F scale type; D (and C, which must match it) bf16, f16 or
+//    fp32, never fp8; the A/B scale-mode pairs VEC128 x VEC128, VEC128 x BLK128x128 and
+//    BLK128x128 x VEC128 are supported, BLK x BLK is not; scale tensors start 16-byte aligned;
+//    "M and N must be multiples of 4" (cuBLASLt's m and n, i.e. our N and our token count);
+//    VEC128 scales are outer-dimension-major (M x L for A, N x L for B, the M or N index
+//    contiguous, no leading dimension of their own, so the pitch is exactly m or n);
+//    BLK128x128 scales are K-major, L4 x ceil(rows / 128) with L4 = ceil(K / 128) rounded up to
+//    4 (the stride between block rows a multiple of 4); pointers and leading dimensions must
+//    meet the Tensor Core Usage 16-byte rules.
+//  - NVIDIA/CUDALibrarySamples cuBLASLt/LtBlk128x128Fp8Matmul: the reference call is TN with
+//    A = VEC128, B = BLK128x128, bf16 C and D, scale pointers set before the heuristic query,
+//    only the workspace preference set.
+//  - PyTorch aten/src/ATen/cuda/CUDABlas.cpp (scaled_gemm): rejects fast accumulation with
+//    1x128 and 128x128 blockwise scaling and sets CUBLASLT_MATMUL_DESC_FAST_ACCUM to 0; its
+//    row-major operand swap passes a (1x128 activation, 128x128 weight) product to cuBLASLt as
+//    A = weight with BLK128x128, B = activation with VEC128 - the pairing used here.
+//    pytorch/pytorch#166752 documents the same scale shapes/strides and the L4 padding (silent
+//    wrong answers when K / 128 is not a multiple of 4 and the scales are not padded).
+//  - TransformerEngine common/gemm/cublaslt_gemm.cu: allows the 1Dx1D, 1Dx2D and 2Dx1D pairs,
+//    epilogue DEFAULT/BIAS/DGELU only, ld % 16 == 0, and enforces the outer dimension of a
+//    VEC128-scaled operand to be a multiple of 8 ("observed" requirement, stricter than the
+//    docs' 4).
+// Hence kLtRowQuantum: cuBLASLt takes the first M - M % 4 tokens and the fallback kernel the
+// rest. The docs' 4 suffices: tests/cuda/probe_cublaslt_fp8.cu on the H200 (cuBLASLt 13.1,
+// 2026-12-02) ran M = 4 and 36 correctly and refused M = 1 and 33 (NOT_SUPPORTED).
+constexpr int64_t kLtRowQuantum = 4;
+
+__host__ __device__ inline int64_t lt_rows(int64_t M) { return M - M % kLtRowQuantum; }
+
+// Scale of token m, group g in the activation-scale layout (see gemm.cuh): the bulk rows
+// [0, lt_rows(M)) are token-major at pitch lt_rows(M) (cuBLASLt's VEC128 layout for its B
+// operand of n = lt_rows(M) columns), the tail rows follow at pitch M % 4.
+__host__ __device__ inline int64_t scale_index(int64_t m, int64_t g, int64_t M, int64_t groups) {
+  const int64_t bulk = lt_rows(M);
+  return m < bulk ? g * bulk + m : groups * bulk + g * (M - bulk) + (m - bulk);
+}
 
 cudaDataType_t cuda_type(DType act) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16, "cuBLASLt GEMMs take bf16 or f16, got ",
@@ -73,12 +109,14 @@ struct GemmKey {
 };
 
 // A cached cuBLASLt plan: descriptors and the heuristic's best algorithm. `has_algo` false means
-// the heuristic found nothing (the fp8 caller then takes the fallback kernel).
+// the heuristic found nothing or (fp8 only) a matmul of this plan failed; the fp8 caller then
+// takes the fallback kernel. `matmul_logged`: the first matmul's status was logged (verbose).
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
+  bool matmul_logged = false;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -114,24 +152,20 @@ void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
 // ---- activation quantization ---------------------------------------------------------------
 
 // One warp per (token, 128-input group): each lane holds 4 inputs (lane, lane + 32, ...), the
-// warp reduces amax by shuffles, then every lane writes its codes. Warps past the last token
-// (the pad of a scale column when kActScalePad > 1) write a scale of 1 and no codes.
+// warp reduces amax by shuffles, then every lane writes its codes; lane 0 writes the scale at
+// scale_index (the bulk/tail layout linear_fp8 consumes).
 // x / scale is a correctly rounded fp32 division (__fdiv_rn, immune to fast-math flags) and the
 // e4m3 conversion is kmla::float_to_e4m3_sat, so codes and scales match the CPU bit for bit.
 template <class T>
 __global__ void __launch_bounds__(256)
     quantize_act_fp8_kernel(const T* __restrict__ x,  // [M, K] at row stride lda
-                            int64_t lda, int64_t M, int64_t K, int64_t groups, int64_t pitch,
+                            int64_t lda, int64_t M, int64_t K, int64_t groups,
                             uint8_t* __restrict__ codes,   // [M, K] dense
-                            float* __restrict__ scales) {  // [groups, pitch]
+                            float* __restrict__ scales) {  // M * groups, scale_index layout
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (warp >= pitch * groups) return;
+  if (warp >= M * groups) return;
   const int64_t m = warp / groups, g = warp % groups;
-  if (m >= M) {
-    if (lane == 0) scales[g * pitch + m] = 1.0f;
-    return;
-  }
   const T* row = x + m * lda;
   float v[kGroup / 32];
   float amax = 0.0f;
@@ -149,18 +183,19 @@ __global__ void __launch_bounds__(256)
     const int64_t k = g * kGroup + lane + 32 * i;
     if (k < K) codes[m * K + k] = float_to_e4m3_sat(__fdiv_rn(v[i], s));
   }
-  if (lane == 0) scales[g * pitch + m] = s;
+  if (lane == 0) scales[scale_index(m, g, M, groups)] = s;
 }
 
 // ---- W8A8 fallback kernel ------------------------------------------------------------------
 
 struct Fp8FallbackParams {
   const uint8_t* a8;      // [M, K] e4m3, dense
-  const float* a_scales;  // [ceil(K/128), pitch]: scale of (m, g) at g * pitch + m
+  const float* a_scales;  // M * groups floats: scale of (m, g) at scale_index(m, g, M, groups)
   const uint8_t* w8;      // [N, K] e4m3, dense
   const float* w_scales;  // [.., scale_cols]: block (i, j) at i * scale_cols + j
   void* c;                // [M, N] act at row stride ldc
-  int64_t M, N, K, pitch, scale_cols, ldc;
+  int64_t m_begin;        // first row this launch computes (rows [m_begin, M))
+  int64_t M, N, K, groups, scale_cols, ldc;
   int row_offset, col_offset;
 };
 
@@ -187,7 +222,7 @@ __global__ void __launch_bounds__(kFbThreads) w8a8_fallback_kernel(Fp8FallbackPa
   __shared__ float a_tile[kFbTileK][kTileM + 1];
   __shared__ float w_tile[kFbTileK][kFbTileN + 1];
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int64_t m0 = int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kFbTileN;
+  const int64_t m0 = p.m_begin + int64_t(blockIdx.y) * kTileM, n0 = int64_t(blockIdx.x) * kFbTileN;
 
   float acc[kRows][4] = {};
   for (int64_t k0 = 0; k0 < p.K; k0 += kFbTileK) {
@@ -198,7 +233,7 @@ __global__ void __launch_bounds__(kFbThreads) w8a8_fallback_kernel(Fp8FallbackPa
       const int64_t m = m0 + row, k = k0 + kk;
       float v = 0.0f;
       if (m < p.M && k < p.K)
-        v = e4m3_value(p.a8[m * p.K + k]) * p.a_scales[(k / kGroup) * p.pitch + m];
+        v = e4m3_value(p.a8[m * p.K + k]) * p.a_scales[scale_index(m, k / kGroup, p.M, p.groups)];
       a_tile[kk][row] = v;
     }
 #pragma unroll
@@ -242,12 +277,14 @@ __global__ void __launch_bounds__(kFbThreads) w8a8_fallback_kernel(Fp8FallbackPa
 
 void launch_w8a8_fallback(const Fp8FallbackParams& p, DType act, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
-    // Small M (decode) takes the 16-row tile so fewer rows are wasted per weight read.
-    if (p.M <= 16) {
-      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(p.M, 16)));
+    // Few rows (decode, or the < 8-row tail after cuBLASLt) take the 16-row tile so fewer rows
+    // are wasted per weight read.
+    const int64_t rows = p.M - p.m_begin;
+    if (rows <= 16) {
+      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(rows, 16)));
       w8a8_fallback_kernel<T, 16><<<grid, kFbThreads, 0, stream>>>(p);
     } else {
-      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(p.M, 64)));
+      const dim3 grid(unsigned(ceil_div(p.N, kFbTileN)), unsigned(ceil_div(rows, 64)));
       w8a8_fallback_kernel<T, 64><<<grid, kFbThreads, 0, stream>>>(p);
     }
     KMLA_LAUNCH_CHECK();
@@ -258,8 +295,12 @@ void launch_w8a8_fallback(const Fp8FallbackParams& p, DType act, cudaStream_t st
 
 // ---- activation quantization (host) --------------------------------------------------------
 
-size_t act_scale_elems(int64_t M, int64_t K) {
-  return size_t(ceil_div(K, kGroup) * act_scale_pitch(M));
+size_t act_scale_elems(int64_t M, int64_t K) { return size_t(ceil_div(K, kGroup) * M); }
+
+int64_t act_scale_index(int64_t m, int64_t g, int64_t M, int64_t K) {
+  KMLA_CHECK(m >= 0 && m < M && g >= 0 && g < ceil_div(K, kGroup), "act_scale_index: (", m, ", ", g,
+             ") outside M=", M, " K=", K);
+  return scale_index(m, g, M, ceil_div(K, kGroup));
 }
 
 void quantize_act_fp8(const void* x, int64_t lda, int64_t M, int64_t K, DType act, uint8_t* codes,
@@ -267,59 +308,112 @@ void quantize_act_fp8(const void* x, int64_t lda, int64_t M, int64_t K, DType ac
   KMLA_CHECK(M >= 0 && K > 0 && lda >= K, "quantize_act_fp8: bad shape M=", M, " K=", K,
              " lda=", lda);
   if (M == 0) return;
-  const int64_t groups = ceil_div(K, kGroup), pitch = act_scale_pitch(M);
-  const int64_t warps = pitch * groups;
+  const int64_t groups = ceil_div(K, kGroup);
+  const int64_t warps = M * groups;
   constexpr int kThreads = 256;
   const int64_t blocks = ceil_div(warps * 32, kThreads);
   KMLA_CHECK(blocks < (int64_t(1) << 31), "quantize_act_fp8: too many rows, M=", M, " K=", K);
   dispatch_act(act, [&]<class T>() {
     quantize_act_fp8_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), lda, M, K, groups, pitch, codes, scales);
+        static_cast<const T*>(x), lda, M, K, groups, codes, scales);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 // ---- Blas ----------------------------------------------------------------------------------
 
+namespace {
+
+const char* dtype_label(DType act) { return act == DType::bf16 ? "bf16" : "f16"; }
+
+// Reads the reduction scheme an algorithm configuration uses (NONE when it has no split-K).
+uint32_t reduction_scheme(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                           sizeof scheme, &written) != CUBLAS_STATUS_SUCCESS)
+    return CUBLASLT_REDUCTION_SCHEME_NONE;
+  return scheme;
+}
+
+// How much a heuristic query is constrained:
+//   strict    workspace, minimum alignments, reduction scheme mask NONE|COMPUTE_TYPE;
+//   aligned   workspace and minimum alignments; results whose split-K reduction is not in
+//             fp32 are skipped after the query (an fp8 retry when `strict` finds nothing);
+//   plain     workspace only, as NVIDIA's sample and PyTorch query (diagnostic, never used:
+//             it assumes 256-byte aligned operands).
+enum class Prefs { strict, aligned, plain };
+const char* prefs_name(Prefs p) {
+  return p == Prefs::strict    ? "workspace+align+fp32-reduction"
+         : p == Prefs::aligned ? "workspace+align"
+                               : "workspace-only";
+}
+
+struct QueryResult {
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  int found = 0;    // results returned
+  int usable = -1;  // index of the first usable result, -1 if none
+  cublasLtMatmulAlgo_t algo{};
+};
+
+}  // namespace
+
 struct Blas::Impl {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   int cc_major = 0, cc_minor = 0;
   bool force_fp8_fallback = false;
-  std::mutex mutex;  // guards plans and the fp8 descriptors' scale pointers
+  bool verbose = false;  // KMLA_GEMM_VERBOSE=1
+  std::mutex mutex;      // guards plans, logged and the fp8 descriptors' scale pointers
   std::map<GemmKey, std::unique_ptr<Plan>> plans;
+  std::set<std::string> logged;  // verbose lines already printed (each is printed once)
 
   Impl() = default;
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   ~Impl();
 
-  // The plan for `key`, created (descriptors + one heuristic query) on first use. Caller holds
+  // Prints `line` to stderr once per process lifetime of this Blas, when verbose. Caller holds
+  // the mutex.
+  void log_once(const std::string& line) {
+    if (verbose && logged.insert(line).second)
+      std::fprintf(stderr, "kmla gemm: %s\n", line.c_str());
+  }
+
+  // One cuBLASLt heuristic query (up to 8 results, fastest first) for plan `p` of `key`.
+  QueryResult query(const Plan& p, const GemmKey& key, Prefs prefs) const;
+
+  // The plan for `key`, created (descriptors + heuristic queries) on first use. Caller holds
   // the mutex.
   Plan& plan(const GemmKey& key);
 
-  // cuBLASLt's block-scaled fp8 GEMM applies when (all must hold):
-  //   - the device is sm_90 (the VEC128 / BLK128x128 scale modes exist only on Hopper) and the
-  //     fallback is not forced (KMLA_GEMM_FALLBACK=1 or set_fp8_fallback(true));
-  //   - the weight's blocks start at its origin (row_offset == col_offset == 0): cuBLASLt has no
-  //     block offset, so a tensor-parallel slice starting inside a block takes the fallback;
-  //   - K % 512 == 0: whole 128-groups, and cuBLASLt wants each weight block row's scales padded
-  //     to a multiple of 4 K-blocks, which our dense [.., ceil(K/128)] scales are only then;
-  //   - scale_cols == K / 128 and N % 16 == 0, ldc % 8 == 0 (16-byte rows of C);
-  //   - (checked per call) codes, scales, A8, a_scales and C are 16-byte aligned;
-  //   - the heuristic returns an algorithm.
-  // Everything else (and every non-Hopper GPU) runs w8a8_fallback_kernel.
-  bool fp8_shape_ok(int64_t M, const Fp8Weight& W, int64_t ldc) const {
-    return !force_fp8_fallback && cc_major == 9 && cc_minor == 0 && M > 0 && W.row_offset == 0 &&
-           W.col_offset == 0 && W.k % (4 * kGroup) == 0 && W.scale_cols == W.k / kGroup &&
-           W.n % 16 == 0 && ldc % 8 == 0;
+  // Why cuBLASLt's block-scaled fp8 GEMM cannot take this linear_fp8 shape, or nullptr when it
+  // may (the heuristic still decides). See the requirements above kLtRowQuantum:
+  //   - sm_90 only, fallback not forced (KMLA_GEMM_FALLBACK=1 or set_fp8_fallback(true));
+  //   - at least 4 rows: cuBLASLt takes the first M - M % 4, the kernel the rest;
+  //   - the weight's blocks start at its origin (row_offset == col_offset == 0): cuBLASLt has
+  //     no block offset, so a tensor-parallel slice starting inside a block takes the fallback;
+  //   - K % 512 == 0: whole 128-groups, and the BLK128x128 scales need a block row pitch that
+  //     is a multiple of 4 K-blocks, which our dense [.., ceil(K/128)] scales have only then;
+  //   - scale_cols == K / 128 (that pitch), N % 16 == 0 and ldc % 8 == 0 (16-byte rows of C).
+  // Pointer alignment (16 bytes for codes, scales, A8, a_scales, C) is checked per call.
+  const char* fp8_refusal(int64_t M, const Fp8Weight& W, int64_t ldc) const {
+    if (force_fp8_fallback) return "fallback forced (KMLA_GEMM_FALLBACK=1 / set_fp8_fallback)";
+    if (cc_major != 9 || cc_minor != 0) return "not sm_90 (block-scaled FP8 GEMM is sm_90 only)";
+    if (lt_rows(M) == 0) return "fewer than 4 rows (cuBLASLt's VEC128 operand needs n % 4 == 0)";
+    if (W.row_offset != 0 || W.col_offset != 0) return "weight slice starts inside a 128-block";
+    if (W.k % (4 * kGroup) != 0) return "K % 512 != 0 (BLK128x128 scale pitch must be 4k)";
+    if (W.scale_cols != W.k / kGroup) return "scale_cols != K / 128";
+    if (W.n % 16 != 0) return "N % 16 != 0";
+    if (ldc % 8 != 0) return "ldc % 8 != 0";
+    return nullptr;
   }
   GemmKey fp8_key(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const {
     GemmKey key;
     key.kind = GemmKind::fp8_block;
     key.act = act;
     key.m = W.n;
-    key.n = M;
+    key.n = lt_rows(M);
     key.k = W.k;
     key.lda = W.k;
     key.ldb = W.k;
@@ -327,7 +421,66 @@ struct Blas::Impl {
     key.align_a = key.align_b = key.align_c = 16;
     return key;
   }
+  static std::string describe(const GemmKey& key) {
+    char buf[256];
+    const char* kind = key.kind == GemmKind::linear ? "linear"
+                       : key.kind == GemmKind::batched_nn
+                           ? "batched_nn"
+                           : "fp8 W8A8 (A=weight BLK128x128, B=act VEC128)";
+    std::snprintf(
+        buf, sizeof buf,
+        "%s %s cuBLASLt m=%lld n=%lld k=%lld batch=%d lda=%lld ldb=%lld ldc=%lld align=%d/%d/%d",
+        kind, dtype_label(key.act), (long long)key.m, (long long)key.n, (long long)key.k, key.batch,
+        (long long)key.lda, (long long)key.ldb, (long long)key.ldc, key.align_a, key.align_b,
+        key.align_c);
+    return buf;
+  }
 };
+
+QueryResult Blas::Impl::query(const Plan& p, const GemmKey& key, Prefs prefs) const {
+  QueryResult r;
+  cublasLtMatmulPreference_t pref = nullptr;
+  r.status = cublasLtMatmulPreferenceCreate(&pref);
+  if (r.status != CUBLAS_STATUS_SUCCESS) return r;
+  const uint64_t ws = kWorkspaceBytes;
+  // Split-K partial sums must stay fp32: "in place" and output-type reductions would round to
+  // act more than once.
+  const uint32_t reductions =
+      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  const uint32_t align_a = key.align_a, align_b = key.align_b, align_c = key.align_c;
+  auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t n) {
+    if (r.status == CUBLAS_STATUS_SUCCESS)
+      r.status = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
+  };
+  set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+  if (prefs == Prefs::strict)
+    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof reductions);
+  if (prefs != Prefs::plain) {
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c);
+  }
+  constexpr int kMaxResults = 8;
+  cublasLtMatmulHeuristicResult_t results[kMaxResults] = {};
+  if (r.status == CUBLAS_STATUS_SUCCESS)
+    r.status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, kMaxResults,
+                                              results, &r.found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (r.status != CUBLAS_STATUS_SUCCESS) return r;
+  // Results come sorted by estimated time: take the first that is valid and, without the mask,
+  // whose split-K reduction stays in fp32.
+  for (int i = 0; i < r.found && r.usable < 0; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const uint32_t scheme = reduction_scheme(results[i].algo);
+    if (scheme != CUBLASLT_REDUCTION_SCHEME_NONE &&
+        scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
+      continue;
+    r.usable = i;
+    r.algo = results[i].algo;
+  }
+  return r;
+}
 
 Plan& Blas::Impl::plan(const GemmKey& key) {
   auto it = plans.find(key);
@@ -349,14 +502,19 @@ Plan& Blas::Impl::plan(const GemmKey& key) {
       p->a = make_layout(act, key.m, key.k, key.lda, key.batch, key.stride_a);
       p->b = make_layout(act, key.k, key.n, key.ldb, key.batch, key.stride_b);
       break;
-    case GemmKind::fp8_block: {  // A = W codes (K x N, op T, 128x128 scales), B = A8 (K x M)
+    case GemmKind::fp8_block: {  // A = W codes (K x N, op T, 128x128 scales), B = A8 (K x n)
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_t);
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_n);
       const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
       const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode);
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode);
+      // Blockwise scaling takes no fast accumulation (PyTorch refuses the combination); 0 is
+      // the default, set explicitly as PyTorch does.
+      const int8_t fast_accum = 0;
+      set_desc(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum);
       // The heuristic insists on scale pointers; the real ones are set before every launch.
+      // The workspace is 256-byte aligned, like every scale pointer linear_fp8 accepts.
       const void* placeholder = workspace;
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, placeholder);
       set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, placeholder);
@@ -367,41 +525,29 @@ Plan& Blas::Impl::plan(const GemmKey& key) {
   }
   p->c = make_layout(act, key.m, key.n, key.ldc, key.batch, key.stride_c);
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  KMLA_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kWorkspaceBytes;
-  // Split-K partial sums must stay fp32: "in place" and output-type reductions would round to
-  // act more than once.
-  const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  const uint32_t align_a = key.align_a, align_b = key.align_b, align_c = key.align_c;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                              &reductions, sizeof reductions);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                              &align_a, sizeof align_a);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                              &align_b, sizeof align_b);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                              &align_c, sizeof align_c);
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                              &align_c, sizeof align_c);
-  // The heuristic's results come sorted by estimated time: the first is the fastest.
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result,
-                                        &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  // An unsupported fp8 configuration may report NOT_SUPPORTED rather than zero results.
-  if (key.kind != GemmKind::fp8_block) KMLA_CUBLASLT_CHECK(st);
-  p->has_algo = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-  if (p->has_algo) p->algo = result.algo;
+  std::string line = describe(key) + ": heuristic";
+  auto note = [&](Prefs prefs, const QueryResult& r) {
+    line += std::string(" [") + prefs_name(prefs) + "] " + cublasLtGetStatusName(r.status) + ", " +
+            std::to_string(r.found) + " algos" + (r.usable >= 0 ? " (usable)" : "") + ";";
+  };
+  QueryResult r = query(*p, key, Prefs::strict);
+  note(Prefs::strict, r);
+  if (key.kind != GemmKind::fp8_block) {
+    // The 16-bit products must run: a failing query is an error, not a fallback.
+    if (r.status != CUBLAS_STATUS_SUCCESS) log_once(line);
+    KMLA_CUBLASLT_CHECK(r.status);
+  } else if (r.usable < 0) {
+    // An unsupported fp8 configuration may report NOT_SUPPORTED rather than zero results;
+    // retry without the reduction mask (results filtered afterwards), then, for the log only,
+    // as plainly as NVIDIA's sample asks.
+    r = query(*p, key, Prefs::aligned);
+    note(Prefs::aligned, r);
+    if (r.usable < 0 && verbose) note(Prefs::plain, query(*p, key, Prefs::plain));
+  }
+  p->has_algo = r.status == CUBLAS_STATUS_SUCCESS && r.usable >= 0;
+  if (p->has_algo) p->algo = r.algo;
+  if (key.kind == GemmKind::fp8_block) line += p->has_algo ? " -> cuBLASLt" : " -> fallback kernel";
+  log_once(line);
   return *plans.emplace(key, std::move(p)).first->second;
 }
 
@@ -421,9 +567,15 @@ Blas::Blas() {
       cudaDeviceGetAttribute(&impl->cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   KMLA_CUBLASLT_CHECK(cublasLtCreate(&impl->handle));
   KMLA_CUDA_CHECK(cudaMalloc(&impl->workspace, kWorkspaceBytes));
-  // KMLA_GEMM_FALLBACK=1 forces linear_fp8 onto the fallback kernel (testing, A/B comparisons).
+  // KMLA_GEMM_FALLBACK=1 forces linear_fp8 onto the fallback kernel (testing, A/B comparisons);
+  // KMLA_GEMM_VERBOSE=1 logs plan decisions and cuBLASLt statuses to stderr.
   const char* env = std::getenv("KMLA_GEMM_FALLBACK");
   impl->force_fp8_fallback = env != nullptr && std::strcmp(env, "1") == 0;
+  env = std::getenv("KMLA_GEMM_VERBOSE");
+  impl->verbose = env != nullptr && std::strcmp(env, "1") == 0;
+  impl->log_once("cuBLASLt " + std::to_string(cublasLtGetVersion()) + " (headers " +
+                 std::to_string(CUBLAS_VERSION) + "), device sm_" + std::to_string(impl->cc_major) +
+                 std::to_string(impl->cc_minor));
   impl_ = impl.release();
 }
 
@@ -457,8 +609,13 @@ void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, c
   Plan& p = impl_->plan(key);
   KMLA_CHECK(p.has_algo, "linear: cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K,
              " lda=", lda, " ldc=", ldc);
-  KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, W, p.a, A, p.b, &beta, C, p.c,
-                                     C, p.c, &p.algo, impl_->workspace, kWorkspaceBytes, stream));
+  const cublasStatus_t st =
+      cublasLtMatmul(impl_->handle, p.desc, &alpha, W, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                     impl_->workspace, kWorkspaceBytes, stream);
+  if (!p.matmul_logged)
+    impl_->log_once(Impl::describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
+  p.matmul_logged = true;
+  KMLA_CUBLASLT_CHECK(st);
 }
 
 void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
@@ -491,13 +648,18 @@ void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A,
   Plan& p = impl_->plan(key);
   KMLA_CHECK(p.has_algo, "batched_nn: cuBLASLt has no algorithm for batch=", batch, " M=", M,
              " N=", N, " K=", K);
-  KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c,
-                                     C, p.c, &p.algo, impl_->workspace, kWorkspaceBytes, stream));
+  const cublasStatus_t st =
+      cublasLtMatmul(impl_->handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                     impl_->workspace, kWorkspaceBytes, stream);
+  if (!p.matmul_logged)
+    impl_->log_once(Impl::describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
+  p.matmul_logged = true;
+  KMLA_CUBLASLT_CHECK(st);
 }
 
 bool Blas::linear_fp8_uses_cublaslt(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  if (!impl_->fp8_shape_ok(M, W, ldc)) return false;
+  if (impl_->fp8_refusal(M, W, ldc) != nullptr) return false;
   return impl_->plan(impl_->fp8_key(M, W, ldc, act)).has_algo;
 }
 
@@ -511,41 +673,63 @@ void Blas::linear_fp8(int64_t M, const uint8_t* A8, const float* a_scales, const
              " or scale_cols ", W.scale_cols, " for K=", W.k);
   cuda_type(act);
   if (M == 0) return;
+  int64_t m_done = 0;  // rows [0, m_done) computed by cuBLASLt
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    if (impl_->fp8_shape_ok(M, W, ldc) && aligned16(W.codes) && aligned16(W.scales) &&
-        aligned16(A8) && aligned16(a_scales) && aligned16(C)) {
-      Plan& p = impl_->plan(impl_->fp8_key(M, W, ldc, act));
+    const char* why = impl_->fp8_refusal(M, W, ldc);
+    if (why == nullptr && !(aligned16(W.codes) && aligned16(W.scales) && aligned16(A8) &&
+                            aligned16(a_scales) && aligned16(C)))
+      why = "a pointer is not 16-byte aligned";
+    if (why != nullptr) {
+      if (impl_->verbose)
+        impl_->log_once("fp8 W8A8 " + std::string(dtype_label(act)) + " M=" + std::to_string(M) +
+                        " N=" + std::to_string(W.n) + " K=" + std::to_string(W.k) +
+                        " ldc=" + std::to_string(ldc) + ": fallback kernel: " + why);
+    } else {
+      const GemmKey key = impl_->fp8_key(M, W, ldc, act);
+      Plan& p = impl_->plan(key);
       if (p.has_algo) {
         // The descriptor is shared by every call of this shape: its scale pointers are set and
-        // consumed (cublasLtMatmul reads them at enqueue) under the mutex.
+        // consumed (cublasLtMatmul reads them at enqueue) under the mutex. The bulk rows'
+        // scales start at a_scales, token-major at pitch lt_rows(M) (scale_index).
         const void* w_scales = W.scales;
         const void* x_scales = a_scales;
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w_scales);
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x_scales);
         const float alpha = 1.0f, beta = 0.0f;
-        KMLA_CUBLASLT_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, W.codes, p.a, A8, p.b,
-                                           &beta, C, p.c, C, p.c, &p.algo, impl_->workspace,
-                                           kWorkspaceBytes, stream));
-        return;
+        const cublasStatus_t st =
+            cublasLtMatmul(impl_->handle, p.desc, &alpha, W.codes, p.a, A8, p.b, &beta, C, p.c, C,
+                           p.c, &p.algo, impl_->workspace, kWorkspaceBytes, stream);
+        if (!p.matmul_logged)
+          impl_->log_once(
+              Impl::describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st) +
+              (st == CUBLAS_STATUS_SUCCESS ? "" : " -> plan disabled, fallback kernel"));
+        p.matmul_logged = true;
+        if (st == CUBLAS_STATUS_SUCCESS)
+          m_done = key.n;
+        else
+          p.has_algo = false;  // nothing was enqueued: the kernel computes every row, for good
       }
     }
   }
+  if (m_done == M) return;
   Fp8FallbackParams fp;
   fp.a8 = A8;
   fp.a_scales = a_scales;
   fp.w8 = W.codes;
   fp.w_scales = W.scales;
   fp.c = C;
+  fp.m_begin = m_done;
   fp.M = M;
   fp.N = W.n;
   fp.K = W.k;
-  fp.pitch = act_scale_pitch(M);
+  fp.groups = ceil_div(W.k, kGroup);
   fp.scale_cols = W.scale_cols;
   fp.ldc = ldc;
   fp.row_offset = W.row_offset;
   fp.col_offset = W.col_offset;
-  KMLA_CHECK(ceil_div(M, 64) <= 65535, "linear_fp8: M=", M, " too large for the fallback grid");
+  KMLA_CHECK(ceil_div(M - m_done, 64) <= 65535, "linear_fp8: M=", M,
+             " too large for the fallback grid");
   launch_w8a8_fallback(fp, act, stream);
 }
 

@@ -26,9 +26,13 @@ struct Fp8Weight {
 // Per-token, per-128-input activation quantization (kmla::quantize_activation_fp8): for
 // row m and group g of 128 inputs, scale = max(amax, 1e-10) / 448 and code = e4m3(x / scale)
 // (saturating, RNE). x: [M, K] act at row stride lda; codes: dense [M, K]; scales in the
-// layout Blas::linear_fp8 consumes (act_scale_elems(M, K) floats). K % 128 == 0 is not
-// required: the last group is shorter.
+// layout Blas::linear_fp8 consumes (act_scale_elems(M, K) floats, element act_scale_index(m, g,
+// M, K) for token m and group g). K % 128 == 0 is not required: the last group is shorter.
 size_t act_scale_elems(int64_t M, int64_t K);
+// The scale layout: the first M - M % 8 tokens ("bulk", the rows cuBLASLt takes) are token-major
+// with pitch = bulk (cuBLASLt's VEC128 layout); the last M % 8 tokens follow, token-major with
+// pitch M % 8. A bijection of [0, M) x [0, ceil(K/128)) onto [0, act_scale_elems(M, K)).
+int64_t act_scale_index(int64_t m, int64_t g, int64_t M, int64_t K);
 void quantize_act_fp8(const void* x, int64_t lda, int64_t M, int64_t K, DType act, uint8_t* codes,
                       float* scales, cudaStream_t stream);
 
@@ -57,12 +61,16 @@ class Blas {
                   int64_t strideA, const void* B, int64_t ldb, int64_t strideB, void* C,
                   int64_t ldc, int64_t strideC, DType act, cudaStream_t stream) const;
 
-  // Whether linear_fp8 of this shape runs cuBLASLt's block-scaled GEMM (true) or the fallback
-  // kernel, assuming 16-byte aligned pointers (an unaligned pointer also takes the fallback).
-  // Runs the cuBLASLt heuristic on first use of the shape (host work, no device work).
+  // Whether linear_fp8 of this shape runs cuBLASLt's block-scaled GEMM (true) for its first
+  // M - M % 8 rows (the rest always take the fallback kernel) or only the fallback kernel,
+  // assuming 16-byte aligned pointers (an unaligned pointer also takes the fallback). Runs the
+  // cuBLASLt heuristic on first use of the shape (host work, no device work); false after a
+  // cublasLtMatmul of this shape failed (linear_fp8 then falls back for good).
   bool linear_fp8_uses_cublaslt(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const;
   // Forces linear_fp8 onto the fallback kernel (tests, A/B comparisons). The environment
   // variable KMLA_GEMM_FALLBACK=1, read by the constructor, sets the same switch.
+  // KMLA_GEMM_VERBOSE=1 makes Blas log to stderr, once per shape, why a W8A8 shape is refused
+  // and the cuBLASLt status of every heuristic query and of the first matmul of each shape.
   void set_fp8_fallback(bool force);
 
   struct Impl;

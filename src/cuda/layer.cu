@@ -386,6 +386,12 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
   for (int64_t t = 0; t < md.num_tokens; ++t)
     KMLA_CHECK(md.slot_mapping[size_t(t)] < num_slots, "slot ", md.slot_mapping[size_t(t)], " of token ",
                t, " is outside the cache's slots [0, ", num_slots, ")");
+  const CacheFormat f = cache.format();
+  KMLA_CHECK((f != CacheFormat::bf16 || options.activation == DType::bf16) &&
+                 (f != CacheFormat::fp16 || options.activation == DType::f16),
+             "the CUDA backend reads a ", cache_format_name(f), " cache only with ",
+             cache_format_name(f), " activations, got ", dtype_name(options.activation),
+             " (use the cache format 'auto')");
   KMLA_CHECK(cache.format() != CacheFormat::fp8 || cache.k_scale() == k_scale, "the fp8 cache's k_scale ",
              cache.k_scale(), " differs from the layer's k_scale ", k_scale,
              " (set both from the checkpoint's k_scale)");

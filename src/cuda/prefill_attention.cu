@@ -3,15 +3,25 @@
 // fragment loads and cp.async double buffering. It is compiled for sm_80 and sm_90a alike;
 // the `portable` flag selects this same kernel (there is no wgmma path yet).
 //
+// Two tilings of the same kernel (template parameter kRows, query rows per CTA):
+//   128 rows / 8 warps, 1 CTA per SM (register bound: 256 threads x ~250 registers);
+//   64 rows / 4 warps, 2 CTAs per SM: two independent CTAs on one SM let one CTA's softmax
+//   (MUFU ex2, FMUL, shuffles) overlap the other's mma.sync, which the barrier-synchronised
+//   8 warps of one CTA cannot do. It reads K/V from L2 twice as often per FLOP.
+// prefill_rows_per_cta() picks one; see there.
+//
 // Numerics (docs/SEMANTICS.md, item 7): scores and the softmax are fp32; the probabilities P
 // are rounded to the activation dtype for the P.V product (as every tensor-core attention
 // does), while the row sum l adds the unrounded fp32 values; the output is rounded to act
 // once, after the division by l. LSE is the natural log of sum(exp(scale * s)).
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/attention.cuh"
+#include "cuda/prefill_attention.cuh"
 
 namespace kmla::cuda {
 namespace {
@@ -21,10 +31,7 @@ constexpr int kRopeDim = 64;
 constexpr int kQkDim = kNopeDim + kRopeDim;  // 192
 constexpr int kVDim = 128;
 
-constexpr int kBlockQ = 128;  // query rows per CTA
-constexpr int kBlockK = 64;   // keys per tile
-constexpr int kWarps = 8;     // each warp owns 16 query rows
-constexpr int kThreads = kWarps * 32;
+constexpr int kBlockK = 64;  // keys per tile
 
 // Shared memory rows are 16-byte chunks; a row of K holds 24 chunks, a row of V 16.
 constexpr int kQkChunks = kQkDim / 8;      // 24 (16 from k_nope, 8 from k_rope)
@@ -33,17 +40,34 @@ constexpr int kVChunks = kVDim / 8;        // 16
 constexpr int kQkRowBytes = kQkDim * 2;    // 384
 constexpr int kVRowBytes = kVDim * 2;      // 256
 
-// Shared-memory plan (bytes):
-//   stage s (s = 0, 1) at s * kStageBytes:  K tile 64 x 384 = 24576, then V tile 64 x 256 = 16384
-//   Q block 128 x 384 = 49152 at kStageBytes, i.e. overlapping stage 1: Q is copied into
-//   registers before the first write to stage 1.
-//   total = 40960 + 49152 = 90112 (88 KiB: fits sm_80's 163 KiB and sm_90's 227 KiB opt-in).
-constexpr int kKTileBytes = kBlockK * kQkRowBytes;
-constexpr int kVTileBytes = kBlockK * kVRowBytes;
-constexpr int kStageBytes = kKTileBytes + kVTileBytes;
-constexpr int kQBytes = kBlockQ * kQkRowBytes;
-constexpr int kSmemBytes = kStageBytes + kQBytes;
-static_assert(kSmemBytes >= 2 * kStageBytes, "stage 1 must fit inside the Q region's extent");
+constexpr int kKTileBytes = kBlockK * kQkRowBytes;      // 24576
+constexpr int kVTileBytes = kBlockK * kVRowBytes;       // 16384
+constexpr int kStageBytes = kKTileBytes + kVTileBytes;  // 40960
+
+// Shared-memory plan (bytes), per CTA of kRows query rows:
+//   stage s (s = 0, 1) at s * kStageBytes: K tile 64 x 384 = 24576, then V tile 64 x 256 = 16384
+//   Q block kRows x 384 at kStageBytes, i.e. overlapping stage 1: Q is copied into registers
+//   before the first write to stage 1 (the copy of tile 1 waits for it; a separate Q region
+//   would only let that one copy start earlier, and with 2 CTAs per SM the other CTA covers
+//   the wait).
+//   128 rows: Q 49152 sticks out of stage 1: total 40960 + 49152 = 90112 (88 KiB).
+//   64 rows:  Q 24576 fits in stage 1: total 2 x 40960 = 81920 (80 KiB); two CTAs need
+//             2 x (80 + 1 reserved) = 162 KiB: fits sm_80's 164 KiB and sm_90's 228 KiB per SM.
+// Registers: 128 rows x 256 threads x 1 CTA and 64 rows x 128 threads x 2 CTAs both allow 255
+// per thread (65536 / 256), so both tilings keep the same per-warp register plan.
+template <int kRows>
+struct Tiling {
+  static_assert(kRows == 64 || kRows == 128, "64 or 128 query rows per CTA");
+  static constexpr int kWarps = kRows / 16;  // each warp owns 16 query rows
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kCtasPerSm = kRows == 64 ? 2 : 1;
+  static constexpr int kQBytes = kRows * kQkRowBytes;
+  static constexpr int kSmemBytes = kStageBytes + (kQBytes > kStageBytes ? kQBytes : kStageBytes);
+  static_assert(kBlockK * kQkChunks % kThreads == 0 && kBlockK * kVChunks % kThreads == 0 &&
+                    kRows * kQkChunks % kThreads == 0,
+                "every thread copies the same number of chunks");
+};
+static_assert(Tiling<128>::kSmemBytes == 90112 && Tiling<64>::kSmemBytes == 81920);
 
 // Every smem row is XOR-swizzled in 16-byte chunks: logical chunk c of row r lives at chunk
 // c ^ (r & 7). Rows are a multiple of 128 bytes long, so without it the 8 row addresses of
@@ -115,12 +139,36 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error
   return y;
 }
 
+// Copies a tile of kTileRows rows x kChunks 16-byte chunks from global memory (row r at
+// src + r * row_stride) to chunks [chunk0, chunk0 + kChunks) of the swizzled smem rows at dst
+// (row_bytes apart). Rows >= valid_rows (>= 1) are zero-filled without reading memory; their
+// copies name row 0, an address that exists. Thread tid
+// always takes chunk tid % kChunks of rows tid / kChunks + i * kRowsPerPass: consecutive
+// threads read consecutive 16 bytes of a row (coalesced), the global address advances by a
+// fixed stride per i, and since kRowsPerPass is a multiple of 8 the swizzle (row & 7) is the
+// same for all i, so the smem addresses differ by compile-time constants.
+template <int kTileRows, int kChunks, int kThreads, class T>
+__device__ __forceinline__ void copy_rows(uint32_t dst, int row_bytes, int chunk0, const T* src,
+                                          int64_t row_stride, int valid_rows, int tid) {
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kTileRows % kRowsPerPass == 0);
+  const int c = tid % kChunks, r0 = tid / kChunks;
+  const T* thread_src = src + int64_t(r0) * row_stride + c * 8;
+  const uint32_t thread_dst = dst + swizzled(r0, chunk0 + c, row_bytes);
+#pragma unroll
+  for (int i = 0; i < kTileRows / kRowsPerPass; ++i) {
+    const bool valid = r0 + i * kRowsPerPass < valid_rows;
+    cp_async_16(thread_dst + i * kRowsPerPass * row_bytes,
+                valid ? thread_src + i * kRowsPerPass * row_stride : src, valid);
+  }
+}
+
 // ---- the kernel ---------------------------------------------------------------------
 // Grid: x = head, y = query block in *reverse* order (y = 0 is the last, for causal the most
 // expensive block of the longest sequence, so the heaviest CTAs start first and the cheap ones
 // fill the tail), z = sequence. A CTA whose query block starts past its sequence exits.
 //
-// Per CTA: 128 query rows of one head of one sequence against that sequence's keys.
+// Per CTA: kRows query rows of one head of one sequence against that sequence's keys.
 // Warp w owns query rows [16w, 16w + 16) of the block; the 4 threads of a quad (lane / 4 = g)
 // hold rows g and g + 8 of the warp's 16.
 //
@@ -135,13 +183,15 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error
 // Registers per thread (fp32 unless noted):
 //   Q fragments 12 k-steps x 4 = 48 (packed 16-bit pairs), S 8 n-tiles x 4 = 32,
 //   O 16 n-tiles x 4 = 64, softmax state 4: ~150 live across the loop, the rest addressing.
-//   256 threads x 1 CTA per SM allow 255; ptxas (nvcc 13.0) uses 246 on sm_90a and 252 on
-//   sm_80, with no spills and no stack.
+//   8 warps x 1 CTA and 4 warps x 2 CTAs per SM both allow 255 (see Tiling); ptxas (nvcc
+//   13.0) uses 237 (128 rows) / 236 (64 rows) on sm_90a and 233 on sm_80, no spills or stack.
 //
 // Shared-memory traffic bounds the speed: per 64-key tile a warp reads the whole K and V tiles
 // (40 KiB) through ldmatrix for 16 x 64 x 320 MACs, i.e. 320 KiB per SM per round of 8 warps =
 // 2560 cycles at 128 B/cycle, against ~1900 cycles of mma.sync: a ceiling of about half the
-// H200's dense peak. Going past it needs wgmma (operands straight from smem, 64-row warpgroups).
+// H200's dense peak, whichever tiling. Going past it needs wgmma (operands straight from smem,
+// 64-row warpgroups). The MUFU is the next limit: 32 ex2 per thread per tile = 256 cycles of a
+// sub-partition's MUFU per warp, against ~800 cycles of its mma.sync.
 //
 // Masking: query row i of a sequence with n queries and m keys sees keys [0, limit(i)),
 // limit(i) = min(m, m - n + i + 1) when causal, m otherwise (may be <= 0: no keys). A tile
@@ -149,9 +199,11 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error
 // the largest limit of the whole block are never loaded, and a warp skips the math of tiles
 // past its own rows' largest limit. Keys past m are zero-filled in smem (cp.async src-size
 // 0) so that a masked P = 0 never meets a NaN from memory that does not belong to us.
-template <class T>
-__global__ void __launch_bounds__(kThreads, 1)
+template <class T, int kRows>
+__global__ void __launch_bounds__(Tiling<kRows>::kThreads, Tiling<kRows>::kCtasPerSm)
     prefill_attention_mma_kernel(const PrefillParams p, float scale_log2) {
+  constexpr int kBlockQ = kRows;
+  constexpr int kThreads = Tiling<kRows>::kThreads;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t smem_base = uint32_t(__cvta_generic_to_shared(smem));
   const uint32_t q_smem = smem_base + kStageBytes;
@@ -191,43 +243,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   const T* v_ptr = static_cast<const T*>(p.v.ptr) + int64_t(k_begin) * p.v.row_stride +
                    int64_t(head) * p.v.head_stride;
 
-  // Copies key tile `tile` into stage `stage`: 64 x 24 K chunks (6 per thread) and 64 x 16 V
-  // chunks (4 per thread); consecutive threads take consecutive chunks of a row (coalesced).
+  // Copies key tile `tile` into stage `stage` (K = [k_nope | k_rope] rows, then V rows).
   auto load_kv_tile = [&](int tile, int stage) {
     const uint32_t k_smem = smem_base + stage * kStageBytes;
-    const uint32_t v_smem = k_smem + kKTileBytes;
     const int key0 = tile * kBlockK;
-#pragma unroll
-    for (int i = 0; i < kBlockK * kQkChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads;
-      const int r = idx / kQkChunks, c = idx % kQkChunks;
-      const bool valid = key0 + r < m;
-      const T* src = c < kNopeChunks ? nope_ptr + int64_t(key0 + r) * p.k_nope.row_stride + c * 8
-                                     : rope_ptr + int64_t(key0 + r) * p.k_rope.row_stride +
-                                           (c - kNopeChunks) * 8;
-      cp_async_16(k_smem + swizzled(r, c, kQkRowBytes), valid ? src : p.k_nope.ptr, valid);
-    }
-#pragma unroll
-    for (int i = 0; i < kBlockK * kVChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads;
-      const int r = idx / kVChunks, c = idx % kVChunks;
-      const bool valid = key0 + r < m;
-      const T* src = v_ptr + int64_t(key0 + r) * p.v.row_stride + c * 8;
-      cp_async_16(v_smem + swizzled(r, c, kVRowBytes), valid ? src : p.v.ptr, valid);
-    }
+    const int rows = m - key0;
+    copy_rows<kBlockK, kNopeChunks, kThreads>(k_smem, kQkRowBytes, 0,
+                                              nope_ptr + int64_t(key0) * p.k_nope.row_stride,
+                                              p.k_nope.row_stride, rows, tid);
+    copy_rows<kBlockK, kRopeDim / 8, kThreads>(k_smem, kQkRowBytes, kNopeChunks,
+                                               rope_ptr + int64_t(key0) * p.k_rope.row_stride,
+                                               p.k_rope.row_stride, rows, tid);
+    copy_rows<kBlockK, kVChunks, kThreads>(k_smem + kKTileBytes, kVRowBytes, 0,
+                                           v_ptr + int64_t(key0) * p.v.row_stride, p.v.row_stride,
+                                           rows, tid);
   };
 
   // Q fragments (A operand of S = Q K^T) for the warp's 16 rows, all 192 dims.
   uint32_t q_frag[kQkDim / 16][4];
   if (num_tiles > 0) {
-#pragma unroll
-    for (int i = 0; i < kBlockQ * kQkChunks / kThreads; ++i) {
-      const int idx = tid + i * kThreads;
-      const int r = idx / kQkChunks, c = idx % kQkChunks;
-      const bool valid = q0 + r < n;  // rows past the sequence are zeros (never stored)
-      cp_async_16(q_smem + swizzled(r, c, kQkRowBytes),
-                  valid ? q_ptr + int64_t(q0 + r) * p.q.row_stride + c * 8 : p.q.ptr, valid);
-    }
+    // Rows past the sequence are zeros (and never stored).
+    const T* q_rows = q_ptr + int64_t(q0) * p.q.row_stride;
+    copy_rows<kBlockQ, kNopeChunks, kThreads>(q_smem, kQkRowBytes, 0, q_rows, p.q.row_stride,
+                                              n - q0, tid);
+    copy_rows<kBlockQ, kRopeDim / 8, kThreads>(q_smem, kQkRowBytes, kNopeChunks, q_rows + kNopeDim,
+                                               p.q.row_stride, n - q0, tid);
     load_kv_tile(0, 0);
     cp_async_commit();
     cp_async_wait_all();
@@ -299,6 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // Online softmax in base 2: p = 2^(s * scale_log2 - m * scale_log2), one FFMA + EX2.
+    float correction[2];
+    bool max_moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // h = 0: row g, h = 1: row g + 8
       float mx = row_max[h];
@@ -310,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps its
       // p = 2^-inf = 0 (not NaN), and its correction 2^(-inf) = 0 multiplies zeros.
       const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float correction = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
+      correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
+      max_moved |= mx != row_max[h];
       row_max[h] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -319,11 +362,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -mx_scaled));
         sum += s[nt][2 * h] + s[nt][2 * h + 1];
       }
-      row_sum[h] = row_sum[h] * correction + sum;
+      row_sum[h] = row_sum[h] * correction[h] + sum;
+    }
+    // An unchanged max has correction exactly 2^0 = 1, so the 64 FMULs of the O rescale are
+    // skipped unless some row of the warp got a new max (the vote keeps the branch uniform).
+    // Late tiles of long rows rarely raise the max. A row whose max stays -inf has O = 0.
+    if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
       for (int nt = 0; nt < kVDim / 8; ++nt) {
-        o_acc[nt][2 * h] *= correction;
-        o_acc[nt][2 * h + 1] *= correction;
+        o_acc[nt][0] *= correction[0];
+        o_acc[nt][1] *= correction[0];
+        o_acc[nt][2] *= correction[1];
+        o_acc[nt][3] *= correction[1];
       }
     }
 
@@ -381,15 +431,71 @@ void check_operand(const Operand& o, const char* name, bool need_ptr) {
              ".head_stride must be a multiple of 8 elements (16 bytes), got ", o.head_stride);
 }
 
+template <class T, int kRows>
+void launch_prefill(const PrefillParams& p, float scale_log2, cudaStream_t stream) {
+  using Tile = Tiling<kRows>;
+  auto* kernel = prefill_attention_mma_kernel<T, kRows>;
+  // 80 / 88 KiB of dynamic smem needs the opt-in (per device; cheap to repeat, no sync). The
+  // 64-row tiling also asks for the largest smem carveout so that two CTAs fit on an SM.
+  KMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes));
+  if (Tile::kCtasPerSm > 1)
+    KMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
+  const dim3 grid(unsigned(p.heads), unsigned(ceil_div(p.max_q_len, kRows)), unsigned(p.num_seqs));
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, scale_log2);
+  KMLA_LAUNCH_CHECK();
+}
+
+// KMLA_PREFILL_ROWS=64|128 (read once per process) forces the tiling, so that one GPU run can
+// time both, e.g. `KMLA_PREFILL_ROWS=64 kmla bench --only prefill` and again with 128. Unset
+// or empty: the heuristic decides. Any other value is an error.
+int forced_rows_from_env() {
+  static const int forced = [] {
+    const char* env = std::getenv("KMLA_PREFILL_ROWS");
+    if (env == nullptr || *env == '\0') return 0;
+    KMLA_CHECK(std::strcmp(env, "64") == 0 || std::strcmp(env, "128") == 0,
+               "KMLA_PREFILL_ROWS must be 64 or 128, got '", env, "'");
+    return std::atoi(env);
+  }();
+  return forced;
+}
+
 }  // namespace
 
-void prefill_attention(const PrefillParams& p, cudaStream_t stream) {
+// The heuristic: 64 rows whenever two 64-row CTAs fit in one SM's shared memory (sm_80:
+// 164 KiB, sm_90: 228 KiB per SM; both fit 2 x (80 + 1) KiB), since then the co-resident CTA
+// hides the softmax behind mma and a 64-row grid also has twice the CTAs for short
+// sequences. Otherwise (e.g. 100 KiB on sm_86 / sm_89, where a 64-row CTA would run alone on
+// its SM with half the warps) 128 rows. Registers never decide it: both tilings allow 255 per
+// thread. To be revisited with the lead's measurements of both tilings (the 64-row tiling
+// doubles the L2 -> SM traffic for K and V, which may cap it at very high head counts).
+int prefill_rows_per_cta(const PrefillParams& p) {
+  (void)p;  // the choice depends on the GPU only, for now
+  if (const int forced = forced_rows_from_env()) return forced;
+  // Measured on the H200 (kmla bench, 2026-12-02, bf16 causal): 128 rows 306.8 / 304.7 / 320.3
+  // TFLOP/s at 8k x 64, 8k x 16 and 32k x 16 heads, 64 rows (2 CTAs/SM) 309.7 / 292.2 / 315.6:
+  // equal within noise at 64 heads, 128 rows ahead at 16. So 128 rows where a CTA of it fits
+  // (sm_80, sm_90); 64 rows only where the shared memory holds just the smaller tiling.
+  int device = 0, smem_per_block = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return Tiling<128>::kSmemBytes <= smem_per_block ? 128 : 64;
+}
+
+namespace {
+
+// Validates everything host-side, before any CUDA call (so it also runs without a GPU);
+// returns whether there is anything to compute.
+bool check_params(const PrefillParams& p) {
+  KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
+             "prefill_attention: act must be bf16 or f16, got ", dtype_name(p.act));
   KMLA_CHECK(p.heads >= 1 && p.heads <= 128, "prefill_attention: heads must be in [1, 128], got ",
              p.heads);
   KMLA_CHECK(p.num_seqs >= 0 && p.num_seqs <= 65535,
              "prefill_attention: num_seqs must be in [0, 65535], got ", p.num_seqs);
   KMLA_CHECK(p.max_q_len >= 0, "prefill_attention: max_q_len must be >= 0, got ", p.max_q_len);
-  KMLA_CHECK(ceil_div(p.max_q_len, kBlockQ) <= 65535,
+  KMLA_CHECK(ceil_div(p.max_q_len, 64) <= 65535,  // grid.y for the smaller tiling
              "prefill_attention: max_q_len too large: ", p.max_q_len);
   // The running max is kept in raw score units, which needs a positive scale.
   KMLA_CHECK(p.softmax_scale > 0.f && std::isfinite(p.softmax_scale),
@@ -402,20 +508,30 @@ void prefill_attention(const PrefillParams& p, cudaStream_t stream) {
   check_operand(Operand{p.out, p.out_row_stride, p.out_head_stride}, "out", work);
   KMLA_CHECK(!work || (p.lse != nullptr && p.cu_q != nullptr && p.cu_k != nullptr),
              "prefill_attention: lse, cu_q and cu_k must be set");
-  if (!work) return;
+  return work;
+}
 
+void launch_checked(const PrefillParams& p, int rows_per_cta, cudaStream_t stream) {
   // p.portable needs nothing special: this kernel is the sm_80 code path on every GPU.
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  const dim3 grid(unsigned(p.heads), unsigned(ceil_div(p.max_q_len, kBlockQ)),
-                  unsigned(p.num_seqs));
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = prefill_attention_mma_kernel<T>;
-    // 88 KiB of dynamic smem needs the opt-in (per device; cheap to repeat, no sync).
-    KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, scale_log2);
-    KMLA_LAUNCH_CHECK();
+    if (rows_per_cta == 64)
+      launch_prefill<T, 64>(p, scale_log2, stream);
+    else
+      launch_prefill<T, 128>(p, scale_log2, stream);
   });
+}
+
+}  // namespace
+
+void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream_t stream) {
+  KMLA_CHECK(rows_per_cta == 64 || rows_per_cta == 128,
+             "prefill_attention: rows_per_cta must be 64 or 128, got ", rows_per_cta);
+  if (check_params(p)) launch_checked(p, rows_per_cta, stream);
+}
+
+void prefill_attention(const PrefillParams& p, cudaStream_t stream) {
+  if (check_params(p)) launch_checked(p, prefill_rows_per_cta(p), stream);
 }
 
 }  // namespace kmla::cuda

@@ -5,7 +5,11 @@
 
 namespace kmla::cuda {
 
-size_t cache_insert_workspace_bytes(int64_t tokens) { return size_t(tokens) * kRopeDim * sizeof(float); }
+// The rotated rope part: act-rounded [T, 64] (what the rope kernel always writes) and, for the
+// plain fp8 cache, the unrounded fp32 rotation [T, 64] after it.
+size_t cache_insert_workspace_bytes(int64_t tokens) {
+  return size_t(tokens) * kRopeDim * (sizeof(float) + sizeof(uint16_t));
+}
 
 void cache_insert(const TensorView& kv_c_normed, const TensorView& k_pe, const TensorView& positions,
                   const float* rope_table_device, int64_t rope_rows, const TensorView& slot_mapping,
@@ -38,12 +42,13 @@ void cache_insert(const TensorView& kv_c_normed, const TensorView& k_pe, const T
     rp.rows = T;
     rp.k_pe = k_pe.data;
     rp.k_stride = kRopeDim;
-    rp.k_act = f32 ? nullptr : workspace;
-    rp.k_f32 = f32 ? static_cast<float*>(workspace) : nullptr;
+    auto* f32_part = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + T * kRopeDim * 2);
+    rp.k_act = workspace;
+    rp.k_f32 = f32 ? f32_part : nullptr;
     rp.act = act;
     rp.error_flag = error_flag;
     rope(rp, s);
-    ci.rope = workspace;
+    ci.rope = f32 ? static_cast<void*>(f32_part) : workspace;
     ci.rope_f32 = f32;
   }
   ci.slots = slot_mapping.as<const int64_t>();

@@ -27,6 +27,9 @@
 #include "core/random.hpp"
 #include "engine/scheduler.hpp"
 #include "kmla/engine.hpp"
+#ifdef KMLA_HAVE_CUDA
+#include "kmla/cuda.hpp"
+#endif
 #include "kmla/error.hpp"
 #include "kmla/layer.hpp"
 #include "kmla/numeric.hpp"
@@ -136,6 +139,9 @@ struct Engine::Impl {
   DType act = DType::bf16;
   std::vector<MlaWeights> weights;
   std::vector<MlaLayer> layers;
+#ifdef KMLA_HAVE_CUDA
+  std::vector<cuda::Layer> gpu_layers;  // opt.cuda: the same layers on the GPU
+#endif
   std::shared_ptr<const RopeTable> rope;
 
   explicit Impl(EngineOptions o);
@@ -160,6 +166,11 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)), cfg(opt.config) {
              " must be >= max_num_seqs ", opt.max_num_seqs);
   KMLA_CHECK(opt.check_requests >= 0, "check_requests must be >= 0, got ", opt.check_requests);
   KMLA_CHECK(opt.num_threads >= 0, "num_threads must be >= 0 (0 = all), got ", opt.num_threads);
+#ifdef KMLA_HAVE_CUDA
+  KMLA_CHECK(!opt.cuda || cuda::available(), "the engine was asked to run on the GPU, but no CUDA GPU is present");
+#else
+  KMLA_CHECK(!opt.cuda, "the engine was asked to run on the GPU, but this build has no CUDA backend");
+#endif
   act = activation_for(opt.cache_format);
   for (int l = 0; l < opt.num_layers; ++l) weights.push_back(MlaWeights::random(cfg, opt.seed + uint64_t(l), act));
 }
@@ -181,6 +192,15 @@ void Engine::Impl::build_layers(int64_t positions_needed) {
   lo.num_threads = opt.num_threads;
   lo.partial_output = cfg.tp_size > 1;  // one rank of the group: its partial o_proj sum
   for (int l = 0; l < opt.num_layers; ++l) layers.emplace_back(cfg, weights[size_t(l)], lo, rope);
+#ifdef KMLA_HAVE_CUDA
+  gpu_layers.clear();
+  if (opt.cuda) {
+    cuda::LayerOptions clo;
+    clo.activation = act;
+    clo.partial_output = lo.partial_output;
+    for (int l = 0; l < opt.num_layers; ++l) gpu_layers.emplace_back(cfg, weights[size_t(l)], clo, rope);
+  }
+#endif
 }
 
 // Without an explicit num_blocks the cache holds 3/4 of what max_num_seqs of the trace's
@@ -319,8 +339,20 @@ RunResult Engine::Impl::run(const Trace& trace, const std::function<void(const P
   res.total_blocks = so.num_blocks;
 
   std::vector<LatentCache> caches;
-  for (int l = 0; l < opt.num_layers; ++l)
+#ifdef KMLA_HAVE_CUDA
+  std::vector<cuda::DeviceCache> gpu_caches;
+#endif
+  for (int l = 0; l < opt.num_layers; ++l) {
+#ifdef KMLA_HAVE_CUDA
+    if (opt.cuda) {
+      gpu_caches.push_back(cuda::DeviceCache::allocate(opt.cache_format, opt.block_size, so.num_blocks,
+                                                       weights[size_t(l)].k_scale));
+      caches.push_back(gpu_caches.back().cache);
+      continue;
+    }
+#endif
     caches.push_back(LatentCache::allocate(opt.cache_format, opt.block_size, so.num_blocks, weights[size_t(l)].k_scale));
+  }
 
   // The requests the oracle checks: the shortest (fewest rows), chosen before the run.
   const bool replay = cfg.non_causal_multi_token_decode && opt.spec_tokens > 0;
@@ -388,8 +420,31 @@ RunResult Engine::Impl::run(const Trace& trace, const std::function<void(const P
     HostTensor pos(DType::i64, {T});
     std::copy(md.positions.begin(), md.positions.end(), pos.data<int64_t>());
     const TensorView in_view(normed.data(), act, {T, hs}), out_view(y.data(), act, {T, hs});
+#ifdef KMLA_HAVE_CUDA
+    // On the GPU: the step's activations and positions in device buffers; the residual
+    // stream stays on the host, as on the CPU path, so both paths share everything else.
+    cuda::DeviceBuffer d_in, d_out, d_pos;
+    TensorView din, dout, dpos;
+    if (opt.cuda) {
+      d_in = cuda::DeviceBuffer(in_view.bytes());
+      d_out = cuda::DeviceBuffer(out_view.bytes());
+      d_pos = cuda::DeviceBuffer(pos.bytes());
+      din = d_in.view(act, {T, hs});
+      dout = d_out.view(act, {T, hs});
+      dpos = d_pos.view(DType::i64, {T});
+      cuda::copy_to_device(pos.view(), dpos, nullptr);
+    }
+#endif
     for (int l = 0; l < opt.num_layers; ++l) {
       rms_norm_rows(x.data(), T, hs, eps, act, normed.data());
+#ifdef KMLA_HAVE_CUDA
+      if (opt.cuda) {
+        cuda::copy_to_device(in_view, din, nullptr);
+        gpu_layers[size_t(l)].forward(dpos, din, &md, caches[size_t(l)], dout, nullptr);
+        cuda::copy_to_host(dout, out_view, nullptr);
+        gpu_layers[size_t(l)].check_errors(nullptr);  // waits for the copy; throws if a kernel refused
+      } else
+#endif
       layers[size_t(l)].forward(pos.view(), in_view, &md, caches[size_t(l)], out_view);
       for (size_t i = 0; i < x.size(); ++i) x[i] = to_act(from_act(x[i], act) + from_act(y[i], act), act);
     }

@@ -12,6 +12,7 @@
 #include "kmla/layer.hpp"
 #include "kmla/numeric.hpp"
 #include "kmla/reference.hpp"
+#include "kmla/stages.hpp"
 #include "verify/cases.hpp"
 
 namespace kmla {
@@ -250,7 +251,7 @@ TEST(CudaLayer, BadInputGetsTheCpuErrors) {
             message([&] { gpu_layer.forward(d.pv, d.hv, &bad_block, dc.cache, d.ov, nullptr); }));
   // Host tensors given to the device layer.
   EXPECT_NE(message([&] { gpu_layer.forward(in.positions.view(), in.hidden.view(), &in.md, dc.cache, d.ov, nullptr); })
-                .find("device"),
+                .find("is on cpu, expected cuda"),
             std::string::npos);
   // A host cache given to the device layer.
   EXPECT_NE(message([&] { gpu_layer.forward(d.pv, d.hv, &in.md, host_cache, d.ov, nullptr); }).find("cache"),
@@ -263,6 +264,105 @@ TEST(CudaLayer, BadInputGetsTheCpuErrors) {
   EXPECT_NE(message([&] { gpu_layer.check_errors(nullptr); }).find("position outside the RoPE table"),
             std::string::npos);
   EXPECT_NO_THROW(gpu_layer.check_errors(nullptr));  // reading the flag clears it
+}
+
+// ---- public stages on the device ------------------------------------------------------------
+
+uint16_t random_bf16(uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  const double u = double(state >> 11) * 0x1p-53;  // [0, 1)
+  return float_to_bf16(float((u - 0.5) * 6.0));
+}
+
+// cuda::cache_insert writes the same bytes as kmla::cache_insert (RoPE and every format), and
+// touches nothing else; slots of -1 are skipped.
+TEST(CudaStages, CacheInsertMatchesCpuStage) {
+  REQUIRE_GPU();
+  const MlaConfig cfg = verify::small_model("kimi-k3-dspark", 3);
+  auto rope = RopeTable::build(cfg, 4096);
+  cuda::DeviceBuffer table(size_t(rope->rows()) * kRopeDim * sizeof(float));
+  cuda::copy_to_device(TensorView(const_cast<float*>(rope->row(0)), DType::f32, {rope->rows() * kRopeDim}),
+                       table.view(DType::f32, {rope->rows() * kRopeDim}), nullptr);
+  const int64_t T = 37;
+  uint64_t st = 5;
+  HostTensor kv(DType::bf16, {T, kKvLoraRank}), pe(DType::bf16, {T, kRopeDim}), pos(DType::i64, {T}),
+      slots(DType::i64, {T});
+  for (int64_t i = 0; i < kv.numel(); ++i) kv.data<uint16_t>()[i] = random_bf16(st);
+  for (int64_t i = 0; i < pe.numel(); ++i) pe.data<uint16_t>()[i] = random_bf16(st);
+  for (int64_t t = 0; t < T; ++t) {
+    pos.data<int64_t>()[t] = (t * 97) % 4096;
+    slots.data<int64_t>()[t] = t % 5 == 3 ? -1 : (t * 7) % 80;  // distinct (7 is coprime to 80)
+  }
+  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+    LatentCache host = LatentCache::allocate(f, 16, 5, 0.75f);
+    std::memset(host.base(), 0xa5, size_t(host.geometry().block_stride * 5));
+    LatentCache before = host.clone();
+    cache_insert(kv.view(), pe.view(), pos.view(), rope.get(), slots.view(), host);
+    cuda::DeviceCache dc = cuda::DeviceCache::allocate(f, 16, 5, 0.75f);
+    const int64_t bytes = host.geometry().block_stride * 5;
+    cuda::copy_to_device(TensorView(before.base(), DType::u8, {bytes}), dc.memory.view(DType::u8, {bytes}), nullptr);
+    cuda::DeviceBuffer dkv(kv.bytes()), dpe(pe.bytes()), dpos(pos.bytes()), dslots(slots.bytes()),
+        ws(cuda::cache_insert_workspace_bytes(T)), flag(sizeof(int));
+    const TensorView vkv = dkv.view(DType::bf16, {T, kKvLoraRank}), vpe = dpe.view(DType::bf16, {T, kRopeDim}),
+                     vpos = dpos.view(DType::i64, {T}), vslots = dslots.view(DType::i64, {T});
+    cuda::copy_to_device(kv.view(), vkv, nullptr);
+    cuda::copy_to_device(pe.view(), vpe, nullptr);
+    cuda::copy_to_device(pos.view(), vpos, nullptr);
+    cuda::copy_to_device(slots.view(), vslots, nullptr);
+    CUDA_OK(cudaMemset(flag.data(), 0, sizeof(int)));
+    cuda::cache_insert(vkv, vpe, vpos, static_cast<const float*>(table.data()), rope->rows(), vslots, dc.cache,
+                       ws.data(), static_cast<int*>(flag.data()), nullptr);
+    LatentCache got = before.clone();
+    int flag_h = -1;
+    cuda::copy_to_host(dc.memory.view(DType::u8, {bytes}), TensorView(got.base(), DType::u8, {bytes}), nullptr);
+    CUDA_OK(cudaMemcpy(&flag_h, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(flag_h, 0);
+    EXPECT_EQ(std::memcmp(got.base(), host.base(), size_t(bytes)), 0) << cache_format_name(f);
+  }
+}
+
+// cuda::merge_attn_states equals the CPU stage on rows with and without a prefix, including
+// empty (-inf) states on either side.
+TEST(CudaStages, MergeMatchesCpuStage) {
+  REQUIRE_GPU();
+  const int64_t rows = 9, H = 3, D = 128, with_prefix = 6;
+  uint64_t st = 11;
+  HostTensor po(DType::bf16, {rows, H, D}), so(DType::bf16, {rows, H, D}), pl(DType::f32, {rows, H}),
+      sl(DType::f32, {rows, H}), out(DType::bf16, {rows, H, D}), ol(DType::f32, {rows, H});
+  for (int64_t i = 0; i < po.numel(); ++i) po.data<uint16_t>()[i] = random_bf16(st);
+  for (int64_t i = 0; i < so.numel(); ++i) so.data<uint16_t>()[i] = random_bf16(st);
+  for (int64_t i = 0; i < pl.numel(); ++i) {
+    pl.data<float>()[i] = i % 7 == 2 ? -INFINITY : float(i % 5) - 2.0f;
+    sl.data<float>()[i] = i % 11 == 4 ? -INFINITY : float(i % 3) - 1.0f;
+  }
+  merge_attn_states(po.view(), pl.view(), so.view(), sl.view(), with_prefix, out.view(), ol.view());
+  cuda::DeviceBuffer dpo(po.bytes()), dso(so.bytes()), dpl(pl.bytes()), dsl(sl.bytes()), dout(out.bytes()),
+      dol(ol.bytes());
+  auto v3 = [&](cuda::DeviceBuffer& b) { return b.view(DType::bf16, {rows, H, D}); };
+  auto v2 = [&](cuda::DeviceBuffer& b) { return b.view(DType::f32, {rows, H}); };
+  cuda::copy_to_device(po.view(), v3(dpo), nullptr);
+  cuda::copy_to_device(so.view(), v3(dso), nullptr);
+  cuda::copy_to_device(pl.view(), v2(dpl), nullptr);
+  cuda::copy_to_device(sl.view(), v2(dsl), nullptr);
+  cuda::merge_attn_states(v3(dpo), v2(dpl), v3(dso), v2(dsl), with_prefix, v3(dout), v2(dol), nullptr);
+  HostTensor got(DType::bf16, {rows, H, D}), got_l(DType::f32, {rows, H});
+  cuda::copy_to_host(v3(dout), got.view(), nullptr);
+  cuda::copy_to_host(v2(dol), got_l.view(), nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  // expf/logf on the GPU differ from glibc by an fp32 ulp or two: one bf16 ulp on the output.
+  for (int64_t i = 0; i < out.numel(); ++i)
+    EXPECT_NEAR(bf16_to_float(got.data<uint16_t>()[i]), bf16_to_float(out.data<uint16_t>()[i]),
+                0x1p-7 * std::fabs(bf16_to_float(out.data<uint16_t>()[i])) + 1e-6) << i;
+  for (int64_t i = 0; i < ol.numel(); ++i) {
+    if (std::isinf(ol.data<float>()[i])) {
+      EXPECT_EQ(got_l.data<float>()[i], ol.data<float>()[i]) << i;
+    } else {
+      EXPECT_NEAR(got_l.data<float>()[i], ol.data<float>()[i], 1e-5) << i;
+    }
+  }
+  // Bad input: a row count beyond the tensors.
+  EXPECT_THROW(cuda::merge_attn_states(v3(dpo), v2(dpl), v3(dso), v2(dsl), rows + 1, v3(dout), v2(dol), nullptr),
+               Error);
 }
 
 }  // namespace

@@ -206,13 +206,12 @@ TEST(CudaGemm, BatchedNnMlaAbsorption) {
 // ---- activation quantization ---------------------------------------------------------------
 
 // The CPU rule (kmla::quantize_activation_fp8) written out to produce codes and scales.
+// Scales are stored at act_scale_index (the layout is Blas-internal; ScaleLayout checks it).
 void host_quantize(const std::vector<float>& x, int64_t M, int64_t K, int64_t lda,
-                   std::vector<uint8_t>& codes, std::vector<float>& scales, int64_t& pitch) {
+                   std::vector<uint8_t>& codes, std::vector<float>& scales) {
   const int64_t groups = (K + 127) / 128;
-  pitch = int64_t(act_scale_elems(M, K)) / groups;  // the layout's token pitch (>= M)
-  EXPECT_GE(pitch, M);
   codes.assign(size_t(M * K), 0);
-  scales.assign(size_t(groups * pitch), 0.0f);
+  scales.assign(act_scale_elems(M, K), 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t end = std::min(K, g * 128 + 128);
@@ -221,7 +220,7 @@ void host_quantize(const std::vector<float>& x, int64_t M, int64_t K, int64_t ld
       const float s = std::fmax(amax, 1e-10f) / kFp8Max;
       for (int64_t k = g * 128; k < end; ++k)
         codes[m * K + k] = float_to_e4m3_sat(x[m * lda + k] / s);
-      scales[g * pitch + m] = s;
+      scales[size_t(act_scale_index(m, g, M, K))] = s;
     }
 }
 
@@ -252,9 +251,7 @@ void check_quantize(DType act, int64_t M, int64_t K, int64_t lda, uint32_t seed)
   for (size_t i = 0; i < x.size(); ++i) xf[i] = act_float(x[i], act);
   std::vector<uint8_t> want_codes;
   std::vector<float> want_scales;
-  int64_t pitch = 0;
-  host_quantize(xf, M, K, lda, want_codes, want_scales, pitch);
-  ASSERT_EQ(act_scale_elems(M, K), want_scales.size());
+  host_quantize(xf, M, K, lda, want_codes, want_scales);
 
   DevBuf<uint16_t> dx(x);
   DevBuf<uint8_t> dcodes(size_t(M * K));
@@ -271,18 +268,21 @@ void check_quantize(DType act, int64_t M, int64_t K, int64_t lda, uint32_t seed)
       ADD_FAILURE() << "code (" << i / K << ", " << i % K << ") = " << int(codes[i]) << ", want "
                     << int(want_codes[i]) << " for x = " << xf[(i / K) * lda + i % K];
   const int64_t groups = (K + 127) / 128;
+  // Every element of the scale buffer is written (it was poisoned with NaN bits).
   for (int64_t g = 0; g < groups; ++g)
-    for (int64_t m = 0; m < M; ++m)
-      if (float_bits(scales[g * pitch + m]) != float_bits(want_scales[g * pitch + m]) &&
-          ++bad <= 10)
-        ADD_FAILURE() << "scale (" << m << ", group " << g << ") = " << scales[g * pitch + m]
-                      << ", want " << want_scales[g * pitch + m];
+    for (int64_t m = 0; m < M; ++m) {
+      const size_t at = size_t(act_scale_index(m, g, M, K));
+      if (float_bits(scales[at]) != float_bits(want_scales[at]) && ++bad <= 10)
+        ADD_FAILURE() << "scale (" << m << ", group " << g << ") = " << scales[at] << ", want "
+                      << want_scales[at];
+    }
   // And the dequantized values are exactly what the CPU path feeds its sgemm.
   std::vector<float> deq(static_cast<size_t>(K));
   for (int64_t m = 0; m < M; ++m) {
     quantize_activation_fp8(xf.data() + m * lda, K, deq.data());
     for (int64_t k = 0; k < K; ++k) {
-      const float got = e4m3_to_float(codes[m * K + k]) * scales[(k / 128) * pitch + m];
+      const float got =
+          e4m3_to_float(codes[m * K + k]) * scales[size_t(act_scale_index(m, k / 128, M, K))];
       const bool same =
           std::isnan(got) ? std::isnan(deq[k]) : float_bits(got) == float_bits(deq[k]);
       if (!same && ++bad <= 15)
@@ -292,10 +292,35 @@ void check_quantize(DType act, int64_t M, int64_t K, int64_t lda, uint32_t seed)
   EXPECT_EQ(bad, 0);
 }
 
+// The activation-scale layout (host only): a bijection onto [0, act_scale_elems) whose first
+// M - M % 4 tokens are token-major at pitch M - M % 4, the VEC128 layout cuBLASLt reads for its
+// n = M - M % 4 bulk rows (pitch exactly n: VEC128 scales have no leading dimension).
+TEST(CudaGemm, ScaleLayout) {
+  for (int64_t M : {1, 7, 8, 9, 33, 64, 70})
+    for (int64_t K : {100, 128, 1024, 1100}) {
+      SCOPED_TRACE(testing::Message() << "M=" << M << " K=" << K);
+      const int64_t groups = (K + 127) / 128, bulk = M - M % 4;
+      ASSERT_EQ(act_scale_elems(M, K), size_t(M * groups));
+      std::vector<int> hits(act_scale_elems(M, K), 0);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t at = act_scale_index(m, g, M, K);
+          ASSERT_GE(at, 0);
+          ASSERT_LT(at, int64_t(hits.size()));
+          ++hits[size_t(at)];
+          if (m < bulk) ASSERT_EQ(at, g * bulk + m);
+        }
+      for (int h : hits) ASSERT_EQ(h, 1);
+    }
+  EXPECT_THROW(act_scale_index(3, 0, 3, 128), Error);
+  EXPECT_THROW(act_scale_index(0, 1, 3, 128), Error);
+}
+
 TEST(CudaGemm, QuantizeActFp8MatchesCpuBitForBit) {
   KMLA_REQUIRE_GPU();
-  check_quantize(DType::bf16, 3, 200, 256, 31);  // short last group, non-dense rows
-  check_quantize(DType::bf16, 33, 1024, 1024, 32);
+  check_quantize(DType::bf16, 3, 200, 256, 31);     // short last group, non-dense rows
+  check_quantize(DType::bf16, 33, 1024, 1024, 32);  // 32 bulk rows + a 1-row tail
+  check_quantize(DType::bf16, 16, 256, 256, 35);    // all bulk
   check_quantize(DType::f16, 5, 1536, 1544, 33);
   check_quantize(DType::bf16, 1, 7168, 7168, 34);  // decode hidden row
 }
@@ -348,7 +373,9 @@ bool is_sm90() {
 
 // Quantizes random act rows on the GPU, runs linear_fp8 on the default path and on the forced
 // fallback, and checks both against sum_k x8 xs w8 ws in fp64. `expect_cublaslt` is whether
-// the shape should take cuBLASLt on an sm_90 device.
+// the weight/ldc should take cuBLASLt on an sm_90 device; cuBLASLt then takes the first
+// M - M % 4 rows (its VEC128 operand needs n % 4 == 0) and the fallback kernel the rest, so
+// M < 8 is fallback only.
 void check_linear_fp8(Blas& blas, DType act, int64_t M, const Fp8BlockWeight& w, int64_t ldc,
                       bool expect_cublaslt, uint32_t seed) {
   const int64_t N = w.codes.dim(0), K = w.codes.dim(1);
@@ -356,7 +383,9 @@ void check_linear_fp8(Blas& blas, DType act, int64_t M, const Fp8BlockWeight& w,
                                   << " offsets " << w.row_offset << ", " << w.col_offset);
   DeviceFp8Weight dw(w);
   const bool cublaslt = blas.linear_fp8_uses_cublaslt(M, dw.view, ldc, act);
-  EXPECT_EQ(cublaslt, expect_cublaslt && is_sm90() && M > 0);
+  // The path check: on sm_90 cuBLASLt's block-scaled GEMM must take these shapes (run with
+  // KMLA_GEMM_VERBOSE=1 to see the heuristic's and matmul's cuBLASLt statuses if it does not).
+  EXPECT_EQ(cublaslt, expect_cublaslt && is_sm90() && M >= 4);
 
   std::mt19937 rng(seed);
   const int64_t lda = K + 8;
@@ -368,7 +397,6 @@ void check_linear_fp8(Blas& blas, DType act, int64_t M, const Fp8BlockWeight& w,
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto codes = a8.download();
   const auto scales = a_scales.download();
-  const int64_t pitch = int64_t(act_scale_elems(M, K)) / ((K + 127) / 128);
 
   std::vector<double> ref(size_t(M * N)), abs_sum(size_t(M * N));
   const auto* wc = w.codes.data<uint8_t>();
@@ -376,7 +404,8 @@ void check_linear_fp8(Blas& blas, DType act, int64_t M, const Fp8BlockWeight& w,
     for (int64_t n = 0; n < N; ++n) {
       double s = 0.0, sa = 0.0;
       for (int64_t k = 0; k < K; ++k) {
-        const double p = double(e4m3_to_float(codes[m * K + k])) * scales[(k / 128) * pitch + m] *
+        const double p = double(e4m3_to_float(codes[m * K + k])) *
+                         scales[size_t(act_scale_index(m, k / 128, M, K))] *
                          e4m3_to_float(wc[n * K + k]) * w.scale(n, k);
         s += p;
         sa += std::fabs(p);
@@ -402,6 +431,10 @@ void check_linear_fp8(Blas& blas, DType act, int64_t M, const Fp8BlockWeight& w,
     }
   }
   blas.set_fp8_fallback(false);
+  // A cublasLtMatmul that failed at enqueue disables the plan (the kernel computed every row,
+  // so the results above still pass): the path must still be cuBLASLt after the calls.
+  EXPECT_EQ(blas.linear_fp8_uses_cublaslt(M, dw.view, ldc, act), cublaslt)
+      << "cublasLtMatmul failed for this shape (KMLA_GEMM_VERBOSE=1 shows the status)";
 }
 
 TEST(CudaGemm, LinearFp8BlockAligned) {
@@ -409,7 +442,8 @@ TEST(CudaGemm, LinearFp8BlockAligned) {
   Blas blas;
   // kv_a-like: N = 576 (4.5 blocks), K = 1024 (8 groups): cuBLASLt on sm_90.
   const auto w = random_fp8_weight(576, 1024, 41);
-  for (int64_t M : {1, 33, 64})
+  // M = 1 and 7: fallback only; 8: one cuBLASLt quantum; 33 and 100: bulk + a 1- / 4-row tail.
+  for (int64_t M : {1, 7, 8, 33, 64, 100})
     check_linear_fp8(blas, DType::bf16, M, w, 584, true, 42 + uint32_t(M));
   check_linear_fp8(blas, DType::f16, 33, w, 576, true, 43);
   check_linear_fp8(blas, DType::bf16, 0, w, 576, true, 44);  // M == 0: a no-op
@@ -439,7 +473,7 @@ TEST(CudaGemm, CapturedInCudaGraph) {
   KMLA_REQUIRE_GPU();
   Blas blas;
   const DType act = DType::bf16;
-  const int64_t M = 4, N = 576, K = 1024;
+  const int64_t M = 12, N = 576, K = 1024;  // 8 rows through cuBLASLt (sm_90), 4 fallback
   std::mt19937 rng(61);
   const auto x = random_act(size_t(M * K), act, rng);
   const auto wl = random_act(size_t(N * K), act, rng);

@@ -2,12 +2,15 @@
 // prefill_attention_f32 on the same act-rounded inputs: bf16 and f16, causal and not, odd
 // lengths, several sequences per call (some empty), more keys than queries and fewer, shared
 // and per-head k_rope, and the layer's strided operands. Outputs are poisoned before each
-// call so every unwritten element and every write outside the sequences is caught.
+// call so every unwritten element and every write outside the sequences is caught. Every case
+// runs both tilings (64 and 128 query rows per CTA, through prefill_attention_rows) and then
+// the public entry point (whatever tiling its heuristic or KMLA_PREFILL_ROWS picks).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -17,6 +20,7 @@
 #include "cpu/kernels.hpp"
 #include "cuda/attention.cuh"
 #include "cuda/gpu.hpp"
+#include "cuda/prefill_attention.cuh"
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
 
@@ -80,6 +84,11 @@ std::string describe(const Case& c) {
   for (int n : (c.k_lens.empty() ? c.q_lens : c.k_lens)) s << ' ' << n;
   return s.str();
 }
+
+void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::vector<uint16_t>& out,
+                  const std::vector<float>& lse, const std::vector<float>& ref,
+                  const std::vector<float>& ref_mag, const std::vector<float>& ref_lse,
+                  int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride);
 
 void run_case(const Case& c) {
   SCOPED_TRACE(describe(c));
@@ -181,8 +190,6 @@ void run_case(const Case& c) {
   DevBuf<int32_t> d_cu_q(cu_q), d_cu_k(cu_k);
   DevBuf<uint16_t> d_out(size_t(q_rows * out_row_stride));
   DevBuf<float> d_lse(size_t(q_rows * lse_row_stride));
-  d_out.fill_bytes(0xFF);
-  d_lse.fill_bytes(0xFF);
 
   cuda::PrefillParams p;
   p.q = {d_q.ptr + q.offset, q.row_stride, q.head_stride};
@@ -202,10 +209,30 @@ void run_case(const Case& c) {
   p.causal = c.causal;
   p.softmax_scale = scale;
   p.act = c.act;
-  cuda::prefill_attention(p, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<uint16_t> out = d_out.download();
-  const std::vector<float> lse = d_lse.download();
+  // rows_per_cta 0: the public prefill_attention (its own choice of tiling).
+  for (int rows_per_cta : {64, 128, 0}) {
+    SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
+                                   : "rows_per_cta " + std::to_string(rows_per_cta));
+    d_out.fill_bytes(0xFF);
+    d_lse.fill_bytes(0xFF);
+    if (rows_per_cta == 0)
+      cuda::prefill_attention(p, nullptr);
+    else
+      cuda::prefill_attention_rows(p, rows_per_cta, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    check_result(c, cu_q, d_out.download(), d_lse.download(), ref, ref_mag, ref_lse, out_row_stride,
+                 out_head_stride, lse_row_stride);
+  }
+}
+
+// Compares one kernel run's out and lse with the reference, and checks that nothing outside
+// the sequences' rows was written.
+void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::vector<uint16_t>& out,
+                  const std::vector<float>& lse, const std::vector<float>& ref,
+                  const std::vector<float>& ref_mag, const std::vector<float>& ref_lse,
+                  int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride) {
+  const int H = c.heads;
+  const int num_seqs = int(cu_q.size()) - 1;
 
   // Tolerance. The kernel differs from the fp32 reference by (a) P rounded to act before
   // P.V: |error| <= u * sum_j p_j |v_j| / l = u * mag (u = half an ulp at 1, relative), and
@@ -366,6 +393,15 @@ TEST(CudaPrefill, LongerSequence) {
   run_case(c);
 }
 
+// The public entry point's tiling (printed so that a benchmark log says which one ran).
+TEST(CudaPrefill, TilingChoice) {
+  KMLA_REQUIRE_GPU();
+  cuda::PrefillParams p;
+  const int rows = cuda::prefill_rows_per_cta(p);
+  std::printf("prefill_attention uses %d query rows per CTA on this GPU\n", rows);
+  EXPECT_TRUE(rows == 64 || rows == 128) << rows;
+}
+
 // Host-side validation happens before any CUDA call, so this runs without a GPU too.
 TEST(CudaPrefill, RejectsBadArguments) {
   alignas(16) static uint16_t dummy[1024];
@@ -421,6 +457,12 @@ TEST(CudaPrefill, RejectsBadArguments) {
   p = valid();
   p.act = DType::f32;
   expect_error(p, "bf16 or f16");
+  try {
+    cuda::prefill_attention_rows(valid(), 96, nullptr);
+    ADD_FAILURE() << "no error for rows_per_cta 96";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows_per_cta"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

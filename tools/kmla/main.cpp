@@ -27,6 +27,10 @@
 #include "kmla/cuda.hpp"
 #endif
 
+
+// Exit status of a GPU command on a machine without a GPU (CTest's SKIP_RETURN_CODE).
+constexpr int kExitNoGpu = 77;
+
 namespace {
 
 using kmla::CacheFormat;
@@ -137,9 +141,6 @@ int run_info(const ModelArgs& a, int64_t batch, int64_t context, int block_size,
               j["context_workspace_bytes"].get<int64_t>() / 1048576.0);
   return 0;
 }
-
-// Exit status of a GPU command on a machine without a GPU (CTest's SKIP_RETURN_CODE).
-constexpr int kExitNoGpu = 77;
 
 int run_verify(const std::vector<kmla::verify::Case>& cases, kmla::verify::Backend backend, bool as_json) {
   json rows = json::array();
@@ -290,6 +291,7 @@ void add_run_args(CLI::App* app, RunArgs& a) {
     o->excludes(trace);
   app->add_option("--seed", e.seed, "seed of the trace, the weights and the draft acceptance")
       ->capture_default_str();
+  app->add_flag("--cuda", e.cuda, "run the layers on the GPU (the CUDA backend)");
   app->add_option("--threads", e.num_threads, "CPU threads (0: all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -328,6 +330,12 @@ int terminal_width() {
 
 int run_serve(RunArgs a) {
   eng::EngineOptions& e = a.engine;
+#ifdef KMLA_HAVE_CUDA
+  if (e.cuda && !kmla::cuda::available()) {
+    std::fprintf(stderr, "kmla: run --cuda: no CUDA GPU is present (skipped)\n");
+    return kExitNoGpu;
+  }
+#endif
   e.config = MlaConfig::preset(a.model);
   if (a.tp > 1) e.config = e.config.tp_slice(0, a.tp);
   e.config.validate();
