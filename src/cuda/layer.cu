@@ -819,6 +819,23 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       auto* chunk_lse = static_cast<float*>(at(d.off_chunk_lse));
       auto* gathered = static_cast<std::byte*>(at(d.off_gather));
       const auto* cu_ctx = static_cast<const int32_t*>(at(d.off_cu_ctx));
+      // Merges `suffix` into the context prefix (ctx_out / ctx_lse) by LSE, into `o` / `o_lse`.
+      auto merge = [&](const std::byte* suffix, const float* suffix_lse, int64_t rows_, int64_t with_prefix,
+                       std::byte* o, float* o_lse) {
+        MergeParams mp;
+        mp.prefix = ctx_out;
+        mp.prefix_lse = ctx_lse;
+        mp.suffix = suffix;
+        mp.suffix_lse = suffix_lse;
+        mp.rows = rows_;
+        mp.rows_with_prefix = with_prefix;
+        mp.heads = H;
+        mp.dim = kVDim;
+        mp.out = o;
+        mp.out_lse = o_lse;
+        mp.act = act;
+        merge_states(mp, s);
+      };
       bool have_prefix = false;
       for (const Plan::Data::Chunk& ch : d.chunks) {
         if (ch.total == 0) continue;
@@ -838,36 +855,11 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
         float* dst_lse = have_prefix ? chunk_lse : ctx_lse;
         attend(ch.total, gathered, kLatentDim, gathered + kKvLoraRank * as, kLatentDim, cu_ctx,
                gp.cu_len, d.num_context, d.max_ctx_q_len, false, dst, dst_lse);
-        if (have_prefix) {
-          MergeParams mp;
-          mp.prefix = ctx_out;
-          mp.prefix_lse = ctx_lse;
-          mp.suffix = chunk_out;
-          mp.suffix_lse = chunk_lse;
-          mp.rows = mp.rows_with_prefix = d.Tc;
-          mp.heads = H;
-          mp.dim = kVDim;
-          mp.out = ctx_out;
-          mp.out_lse = ctx_lse;
-          mp.act = act;
-          merge_states(mp, s);
-        }
+        if (have_prefix) merge(chunk_out, chunk_lse, d.Tc, d.Tc, ctx_out, ctx_lse);
         have_prefix = true;
       }
-      if (have_prefix) {  // final = merge(prefix = context, suffix = new tokens)
-        MergeParams mp;
-        mp.prefix = ctx_out;
-        mp.prefix_lse = ctx_lse;
-        mp.suffix = new_out;
-        mp.suffix_lse = new_lse;
-        mp.rows = Tp;
-        mp.rows_with_prefix = d.Tc;
-        mp.heads = H;
-        mp.dim = kVDim;
-        mp.out = new_out;
-        mp.act = act;
-        merge_states(mp, s);
-      }
+      // final = merge(prefix = context, suffix = new tokens)
+      if (have_prefix) merge(new_out, new_lse, Tp, d.Tc, new_out, nullptr);
     }
   }
 
