@@ -169,6 +169,40 @@ void cache_insert(const TensorView& kv_c_normed, const TensorView& k_pe, const T
                   const float* rope_table_device, int64_t rope_rows, const TensorView& slot_mapping,
                   LatentCache& cache, void* workspace, int* error_flag, Stream stream);
 
+// As kmla::prefill_attention on device tensors: q [Tq, H, 192], k [Tk, H, 192], v [Tk, H, 128]
+// and out [Tq, H, 128] in one activation dtype (bf16/f16; the fp8 prefill mode casts its inputs
+// to e4m3 values first, which 16-bit types hold exactly), lse f32 [Tq, H]; cu_q / cu_k device
+// int32 [S + 1]; max_q_len bounds every sequence's query count (the grid is sized from it).
+void prefill_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& cu_q, const TensorView& cu_k, int max_q_len, bool causal,
+                       double softmax_scale, const TensorView& out, const TensorView& lse,
+                       Stream stream);
+
+// As kmla::decode_attention on device tensors, planned once per batch (host only), its
+// metadata uploaded into a caller-owned workspace, then run without allocation or sync.
+class DecodeAttention {
+ public:
+  // The decode requests of md (its first md.num_decodes) over `cache`, `heads` heads.
+  DecodeAttention(const BatchMetadata& md, const LatentCache& cache, int heads, bool portable = false);
+  ~DecodeAttention();
+  DecodeAttention(DecodeAttention&&) noexcept;
+  DecodeAttention& operator=(DecodeAttention&&) noexcept;
+
+  size_t workspace_bytes() const;
+  void upload(void* workspace, Stream stream) const;
+  // q [Td, H, 576]: the activation dtype, or e4m3 (plain fp8 cache) dequantized with q_scale;
+  // out [Td, H, 512] in the activation dtype; lse f32 [Td, H]. error_flag (may be null) is
+  // raised for a block id outside the cache.
+  void run(const TensorView& q, float q_scale, const LatentCache& cache, double softmax_scale,
+           const TensorView& out, const TensorView& lse, void* workspace, int* error_flag,
+           Stream stream) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 // As kmla::merge_attn_states on device tensors (outputs in the activation dtype).
 void merge_attn_states(const TensorView& prefix_out, const TensorView& prefix_lse,
                        const TensorView& suffix_out, const TensorView& suffix_lse,

@@ -365,5 +365,127 @@ TEST(CudaStages, MergeMatchesCpuStage) {
                Error);
 }
 
+// Device output vs the CPU stage's: within two act ulps of the largest |value| (the kernels
+// round P and the output to bf16; the CPU stage keeps fp32 until its one rounding), LSEs within
+// 1e-3 and -inf exactly where the CPU has it.
+void expect_close_to_cpu(const HostTensor& got, const HostTensor& want, const HostTensor& got_lse,
+                         const HostTensor& want_lse, const char* what) {
+  double max_ref = 0, err = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double w = bf16_to_float(want.data<uint16_t>()[i]), g = bf16_to_float(got.data<uint16_t>()[i]);
+    ASSERT_TRUE(std::isfinite(g)) << what << " output " << i;
+    max_ref = std::max(max_ref, std::fabs(w));
+    err = std::max(err, std::fabs(g - w));
+  }
+  EXPECT_LE(err, 0x1p-7 * max_ref) << what;
+  EXPECT_GT(max_ref, 0.0) << what;
+  for (int64_t i = 0; i < want_lse.numel(); ++i) {
+    const float w = want_lse.data<float>()[i], g = got_lse.data<float>()[i];
+    if (std::isinf(w)) EXPECT_EQ(g, w) << what << " lse " << i;
+    else EXPECT_NEAR(g, w, 1e-3) << what << " lse " << i;
+  }
+}
+
+// A device copy of a host tensor; `view` describes it.
+cuda::DeviceBuffer to_device(const HostTensor& h, TensorView& view) {
+  cuda::DeviceBuffer b(h.bytes());
+  view = h.view();
+  view.data = b.data();
+  view.device = Device::cuda;
+  cuda::copy_to_device(h.view(), view, nullptr);
+  return b;
+}
+
+// cuda::DecodeAttention equals kmla::decode_attention on the mixed batch's decode rows (single
+// tokens and a multi-token block, permuted tables, NaN-poisoned cache), for every cache format;
+// the plain fp8 cache with an e4m3 query and q_scale.
+TEST(CudaStages, DecodeAttentionMatchesCpuStage) {
+  REQUIRE_GPU();
+  for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+    Case c = verify::mixed_case("kimi-k3-dspark", f, 16, 19, 3);
+    c.k_scale = 0.5f;
+    const verify::Inputs in = verify::make_inputs(c);
+    const int H = 3;
+    const int64_t Td = in.md.num_decode_tokens;
+    ASSERT_GT(Td, 1);
+    const bool q8 = f == CacheFormat::fp8;
+    HostTensor q(q8 ? DType::e4m3 : DType::bf16, {Td, H, kLatentDim});
+    uint64_t st = 3;
+    for (int64_t i = 0; i < q.numel(); ++i) {
+      const uint16_t b = random_bf16(st);
+      if (q8) q.data<uint8_t>()[i] = float_to_e4m3_sat(bf16_to_float(b) * 4.0f);
+      else q.data<uint16_t>()[i] = b;
+    }
+    const float q_scale = 0.25f;
+    // The decode tokens' own rows (which the layer inserts before attention) hold NaN in the
+    // poisoned cache: write them first, so every visible key is a real one.
+    LatentCache cache = in.cache.clone();
+    float row[kLatentDim];
+    for (int r = 0; r < in.md.num_decodes; ++r)
+      for (int64_t pos = in.md.context_lens[size_t(r)]; pos < in.md.seq_lens[size_t(r)]; ++pos) {
+        for (float& x : row) x = bf16_to_float(random_bf16(st));
+        cache.write_row(in.md.slot_of(r, pos), row);
+      }
+    const double scale = c.config.softmax_scale();
+    HostTensor out(DType::bf16, {Td, H, kKvLoraRank}), lse(DType::f32, {Td, H});
+    decode_attention(q.view(), q_scale, cache, in.md, scale, out.view(), lse.view());
+
+    const CacheGeometry& geo = cache.geometry();
+    cuda::DeviceCache dc = cuda::DeviceCache::allocate(f, geo.block_size, geo.num_blocks, c.k_scale);
+    const int64_t bytes = geo.block_stride * geo.num_blocks;
+    cuda::copy_to_device(TensorView(cache.base(), DType::u8, {bytes}), dc.memory.view(DType::u8, {bytes}), nullptr);
+    TensorView dq, dout, dlse;
+    HostTensor gout(DType::bf16, {Td, H, kKvLoraRank}), glse(DType::f32, {Td, H});
+    cuda::DeviceBuffer bq = to_device(q, dq), bo = to_device(gout, dout),
+                       bl = to_device(glse, dlse);
+    const cuda::DecodeAttention da(in.md, dc.cache, H);
+    cuda::DeviceBuffer ws(da.workspace_bytes()), flag(sizeof(int));
+    CUDA_OK(cudaMemset(flag.data(), 0, sizeof(int)));
+    da.upload(ws.data(), nullptr);
+    da.run(dq, q_scale, dc.cache, scale, dout, dlse, ws.data(), static_cast<int*>(flag.data()), nullptr);
+    cuda::copy_to_host(dout, gout.view(), nullptr);
+    cuda::copy_to_host(dlse, glse.view(), nullptr);
+    int flag_h = -1;
+    CUDA_OK(cudaMemcpy(&flag_h, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(flag_h, 0);
+    expect_close_to_cpu(gout, out, glse, lse, cache_format_name(f));
+  }
+}
+
+// cuda::prefill_attention equals kmla::prefill_attention: causal over new tokens (with an empty
+// sequence) and non-causal against more keys than queries.
+TEST(CudaStages, PrefillAttentionMatchesCpuStage) {
+  REQUIRE_GPU();
+  const int64_t H = 3;
+  for (bool causal : {true, false}) {
+    const std::vector<int64_t> cu_q = {0, 5, 5, 70, 200};
+    const std::vector<int64_t> cu_k = causal ? cu_q : std::vector<int64_t>{0, 9, 30, 100, 260};
+    const int64_t Tq = cu_q.back(), Tk = cu_k.back();
+    HostTensor q(DType::bf16, {Tq, H, kQkHeadDim}), k(DType::bf16, {Tk, H, kQkHeadDim}), v(DType::bf16, {Tk, H, kVDim});
+    uint64_t st = causal ? 7 : 8;
+    for (HostTensor* t : {&q, &k, &v})
+      for (int64_t i = 0; i < t->numel(); ++i) t->data<uint16_t>()[i] = random_bf16(st);
+    const double scale = std::pow(192.0, -0.5);
+    HostTensor out(DType::bf16, {Tq, H, kVDim}), lse(DType::f32, {Tq, H});
+    prefill_attention(q.view(), k.view(), v.view(), cu_q, cu_k, causal, scale, out.view(), lse.view());
+
+    HostTensor cq(DType::i32, {int64_t(cu_q.size())}), ck(DType::i32, {int64_t(cu_k.size())});
+    for (size_t i = 0; i < cu_q.size(); ++i) {
+      cq.data<int32_t>()[i] = int32_t(cu_q[i]);
+      ck.data<int32_t>()[i] = int32_t(cu_k[i]);
+    }
+    HostTensor gout(DType::bf16, {Tq, H, kVDim}), glse(DType::f32, {Tq, H});
+    TensorView dq, dk, dv, dcq, dck, dout, dlse;
+    cuda::DeviceBuffer b1 = to_device(q, dq), b2 = to_device(k, dk), b3 = to_device(v, dv),
+                       b4 = to_device(cq, dcq), b5 = to_device(ck, dck),
+                       b6 = to_device(gout, dout), b7 = to_device(glse, dlse);
+    cuda::prefill_attention(dq, dk, dv, dcq, dck, 130, causal, scale, dout, dlse, nullptr);
+    cuda::copy_to_host(dout, gout.view(), nullptr);
+    cuda::copy_to_host(dlse, glse.view(), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    expect_close_to_cpu(gout, out, glse, lse, causal ? "causal" : "non-causal");
+  }
+}
+
 }  // namespace
 }  // namespace kmla
