@@ -382,17 +382,23 @@ TensorView device_view(const DeviceBuffer& b, DType t, std::initializer_list<int
   return TensorView(b.data(), t, dims, Device::cuda);
 }
 
+// The layer of the whole-layer cases: one rank of the TP group returns its partial o_proj sum
+// (no all-reduce); g_proj on the context's auxiliary stream.
+cuda::Layer make_layer(const MlaConfig& cfg, const MlaWeights& weights, const Context& ctx) {
+  cuda::LayerOptions lo;
+  lo.portable = ctx.portable;
+  lo.aux_stream = ctx.aux_stream;
+  lo.partial_output = cfg.tp_size > 1;
+  return cuda::Layer(cfg, weights, lo);
+}
+
 // A whole-layer decode step of B requests of seq keys (the last q_len of them new), planned
 // against a DecodeShape, captured once in a CUDA graph and timed as graph replays.
 Result run_layer_decode(const Case& c, Context& ctx) {
   const cudaStream_t s = ctx.stream;
   const MlaConfig cfg = layer_config(c);
   const MlaWeights weights = MlaWeights::random(cfg, 41);
-  cuda::LayerOptions lo;
-  lo.portable = ctx.portable;
-  lo.aux_stream = ctx.aux_stream;
-  lo.partial_output = cfg.tp_size > 1;  // one rank of the TP group: its partial o_proj sum, no all-reduce
-  cuda::Layer layer(cfg, weights, lo);
+  const cuda::Layer layer = make_layer(cfg, weights, ctx);
 
   const int64_t blocks_each = cuda::ceil_div(c.seq, c.block_size);
   const std::vector<int32_t> ids = random_block_tables(c.batch, blocks_each, 42);
@@ -453,11 +459,7 @@ Result run_layer_prefill(const Case& c, Context& ctx) {
   const cudaStream_t s = ctx.stream;
   const MlaConfig cfg = layer_config(c);
   const MlaWeights weights = MlaWeights::random(cfg, 51);
-  cuda::LayerOptions lo;
-  lo.portable = ctx.portable;
-  lo.aux_stream = ctx.aux_stream;
-  lo.partial_output = cfg.tp_size > 1;  // one rank of the TP group: its partial o_proj sum, no all-reduce
-  cuda::Layer layer(cfg, weights, lo);
+  const cuda::Layer layer = make_layer(cfg, weights, ctx);
 
   const int64_t blocks = cuda::ceil_div(c.tokens, c.block_size);
   std::vector<RequestSpec> reqs(1);

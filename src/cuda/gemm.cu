@@ -387,6 +387,20 @@ struct Blas::Impl {
   // the mutex.
   Plan& plan(const GemmKey& key);
 
+  // D = A . B through the plan for a 16-bit key (linear, batched_nn): alpha 1, beta 0, C = D.
+  // Takes the mutex; logs the first matmul's status (verbose) and throws on a failure.
+  void matmul(const GemmKey& key, const void* a, const void* b, void* d, cudaStream_t stream) {
+    const float alpha = 1.0f, beta = 0.0f;
+    std::lock_guard<std::mutex> lock(mutex);
+    Plan& p = plan(key);
+    KMLA_CHECK(p.has_algo, "cuBLASLt has no algorithm for ", describe(key));
+    const cublasStatus_t st = cublasLtMatmul(handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.c,
+                                             d, p.c, &p.algo, workspace, kWorkspaceBytes, stream);
+    if (!p.matmul_logged) log_once(describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
+    p.matmul_logged = true;
+    KMLA_CUBLASLT_CHECK(st);
+  }
+
   // Why cuBLASLt's block-scaled fp8 GEMM cannot take this linear_fp8 shape, or nullptr when it
   // may (the heuristic still decides). See the requirements above kLtRowQuantum:
   //   - sm_90 only, fallback not forced (KMLA_GEMM_FALLBACK=1 or set_fp8_fallback(true));
@@ -604,18 +618,7 @@ void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, c
   key.align_a = alignment_of(W, K * e);
   key.align_b = alignment_of(A, lda * e);
   key.align_c = alignment_of(C, ldc * e);
-  const float alpha = 1.0f, beta = 0.0f;
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  Plan& p = impl_->plan(key);
-  KMLA_CHECK(p.has_algo, "linear: cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K,
-             " lda=", lda, " ldc=", ldc);
-  const cublasStatus_t st =
-      cublasLtMatmul(impl_->handle, p.desc, &alpha, W, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
-                     impl_->workspace, kWorkspaceBytes, stream);
-  if (!p.matmul_logged)
-    impl_->log_once(Impl::describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
-  p.matmul_logged = true;
-  KMLA_CUBLASLT_CHECK(st);
+  impl_->matmul(key, W, A, C, stream);
 }
 
 void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
@@ -643,18 +646,7 @@ void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A,
   key.align_a = alignment_of(B, ldb * e, strideB * e);
   key.align_b = alignment_of(A, lda * e, strideA * e);
   key.align_c = alignment_of(C, ldc * e, strideC * e);
-  const float alpha = 1.0f, beta = 0.0f;
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  Plan& p = impl_->plan(key);
-  KMLA_CHECK(p.has_algo, "batched_nn: cuBLASLt has no algorithm for batch=", batch, " M=", M,
-             " N=", N, " K=", K);
-  const cublasStatus_t st =
-      cublasLtMatmul(impl_->handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
-                     impl_->workspace, kWorkspaceBytes, stream);
-  if (!p.matmul_logged)
-    impl_->log_once(Impl::describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
-  p.matmul_logged = true;
-  KMLA_CUBLASLT_CHECK(st);
+  impl_->matmul(key, B, A, C, stream);
 }
 
 bool Blas::linear_fp8_uses_cublaslt(int64_t M, const Fp8Weight& W, int64_t ldc, DType act) const {
