@@ -582,6 +582,25 @@ TEST(Engine, RandomTracesRunToCompletion) {
   }
 }
 
+// A tensor-parallel rank plans its steps on the clock every rank agrees on
+// (EngineOptions::agree_clock); here a peer that is always 2 ms ahead. Every step must start
+// at an agreed time, and requests arriving over time still run to completion.
+TEST(Engine, SharedClockDrivesTheSchedule) {
+  EngineOptions o = small_options();
+  std::vector<double> agreed;
+  o.agree_clock = [&](double now_s) {
+    agreed.push_back(now_s + 0.002);
+    return agreed.back();
+  };
+  Trace t = engine_trace(4, 6);
+  for (size_t i = 0; i < t.requests.size(); ++i) t.requests[i].arrival_s = 0.003 * double(i);
+  const RunResult r = Engine(o).run(t);
+  expect_complete(r, t, o);
+  ASSERT_GE(agreed.size(), r.steps.size());
+  for (const StepRecord& st : r.steps)
+    EXPECT_NE(std::find(agreed.begin(), agreed.end(), st.start_s), agreed.end()) << st.start_s;
+}
+
 TEST(Engine, PreemptedRequestsFinishWithTheSameOutputs) {
   const Trace t = engine_trace(11, 8);
   EngineOptions o = small_options();

@@ -81,6 +81,10 @@ struct LayerOptions {
   std::function<void(const TensorView& out, Stream stream)> all_reduce;
   // Run the portable (sm_80) kernels even on Hopper.
   bool portable = false;
+  // Decode attention splits each request's keys by its own length only (and always
+  // combines), so a request's attention output is bitwise the same whatever else is in the
+  // batch. Costs some speed on large batches of short requests.
+  bool batch_invariant = false;
   // An auxiliary stream (caller-owned, may be shared by all layers) on which g_proj runs
   // concurrently with attention for batches below kAuxStreamMaxRows rows. nullptr: one stream.
   Stream aux_stream = nullptr;
@@ -183,7 +187,9 @@ void prefill_attention(const TensorView& q, const TensorView& k, const TensorVie
 class DecodeAttention {
  public:
   // The decode requests of md (its first md.num_decodes) over `cache`, `heads` heads.
-  DecodeAttention(const BatchMetadata& md, const LatentCache& cache, int heads, bool portable = false);
+  // batch_invariant: as LayerOptions::batch_invariant.
+  DecodeAttention(const BatchMetadata& md, const LatentCache& cache, int heads, bool portable = false,
+                  bool batch_invariant = false);
   ~DecodeAttention();
   DecodeAttention(DecodeAttention&&) noexcept;
   DecodeAttention& operator=(DecodeAttention&&) noexcept;

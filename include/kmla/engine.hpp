@@ -11,6 +11,7 @@
 
 #include "kmla/cache.hpp"
 #include "kmla/config.hpp"
+#include "kmla/cuda.hpp"
 
 namespace kmla::engine {
 
@@ -80,6 +81,16 @@ struct EngineOptions {
   int check_requests = 2;           // the shortest requests, recomputed by the fp64 oracle after the run
   // Keep every request's output rows in RequestRecord::outputs (tests compare schedules).
   bool record_outputs = false;
+  // Tensor parallelism across processes (cuda only, config.tp_size > 1): each layer ends in
+  // this all-reduce (e.g. dist::Communicator::layer_all_reduce), so every rank's outputs are
+  // the whole layer's. The weights are then the full model's, drawn from the seed and sliced
+  // to the rank (so the ranks agree), and the oracle check recomputes the unsharded layer.
+  // Every rank must see the same schedule: with arrivals after 0, agree_clock must be set.
+  std::function<void(const TensorView& out, cuda::Stream stream)> all_reduce;
+  // Tensor parallelism: maps this rank's clock to one every rank shares (e.g. the largest,
+  // dist::Communicator::max_across_ranks), read once per step, so that every rank admits the
+  // same requests and plans the same steps. Empty: the local clock.
+  std::function<double(double now_s)> agree_clock;
 };
 
 struct StepRecord {

@@ -210,6 +210,7 @@ struct Result {
   double bytes = 0;     // 0 where bandwidth is not the measure (prefill)
   double flops = 0;
   double floor_us = 0;  // layer decode: (weights + cache bytes) / copy bandwidth
+  const char* floor_name = "floor";  // what floor_us is (chunked prefill: a reference time)
   std::string error;
 };
 
@@ -220,6 +221,8 @@ struct Context {
   int warmup, iters;
   bool portable;
   double copy_gb_s;
+  std::function<void(const TensorView&, cuda::Stream)> all_reduce = {};  // kmla bench --tp N
+  dist::Communicator* comm = nullptr;                                     // kmla bench --cp N
 };
 
 cuda::CacheRef device_cache_ref(void* base, CacheFormat f, int block_size, int64_t num_blocks) {
@@ -239,13 +242,30 @@ int read_error_flag(const DeviceBuffer& flag, cudaStream_t s) {
   return v;
 }
 
+TensorView device_view(const DeviceBuffer& b, DType t, std::initializer_list<int64_t> dims) {
+  return TensorView(b.data(), t, dims, Device::cuda);
+}
+
 // Decode attention alone: plan_decode + decode_attention on a random cache of B * S rows in
 // randomly permuted blocks, every request with seq keys and q_len query rows.
 Result run_decode(const Case& c, Context& ctx) {
   const cudaStream_t s = ctx.stream;
-  const int64_t blocks_each = cuda::ceil_div(c.seq, c.block_size);
+  // Context parallel: this rank holds seq / cp keys of every request, rounded up to whole
+  // blocks (cp_range's shares differ by at most a unit; the bench times equal shares).
+  const int seq = c.cp > 1 ? int(cuda::ceil_div(cuda::ceil_div(c.seq, c.cp), c.block_size) * c.block_size) : c.seq;
+  const auto B = size_t(c.batch);
+  std::vector<int32_t> seq_lens(B, seq), q_lens(B, c.q_len);
+  if (c.mixed) {
+    seq_lens = mixed_lengths(c.batch, seq);
+    if (c.q_len > 1) q_lens = mixed_lengths(c.batch, c.q_len);
+  }
+  std::vector<int32_t> query_start(B + 1, 0);
+  for (size_t r = 0; r < B; ++r) query_start[r + 1] = query_start[r] + q_lens[r];
+  const int max_seq = *std::max_element(seq_lens.begin(), seq_lens.end());
+  const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
+  const int64_t blocks_each = cuda::ceil_div(max_seq, c.block_size);
   const int64_t num_blocks = int64_t(c.batch) * blocks_each;
-  const int64_t rows = int64_t(c.batch) * c.q_len;
+  const int64_t rows = query_start[B];
   const size_t entry = cache_entry_bytes(c.format);
   const bool q_fp8 = c.format == CacheFormat::fp8;  // plain fp8: fp8 x fp8 with q_scale
 
@@ -259,11 +279,9 @@ Result run_decode(const Case& c, Context& ctx) {
   DeviceBuffer flag = device_alloc(sizeof(int));
   KMLA_CUDA_CHECK(cudaMemsetAsync(flag.data(), 0, sizeof(int), s));
 
-  std::vector<int32_t> query_start(size_t(c.batch) + 1);
-  for (int r = 0; r <= c.batch; ++r) query_start[size_t(r)] = r * c.q_len;
   DeviceBuffer d_tables = to_device(random_block_tables(c.batch, blocks_each, 13), s);
-  DeviceBuffer d_seq = to_device(std::vector<int32_t>(size_t(c.batch), c.seq), s);
-  DeviceBuffer d_qlen = to_device(std::vector<int32_t>(size_t(c.batch), c.q_len), s);
+  DeviceBuffer d_seq = to_device(seq_lens, s);
+  DeviceBuffer d_qlen = to_device(q_lens, s);
   DeviceBuffer d_qstart = to_device(query_start, s);
   DeviceBuffer d_slots = to_device(std::vector<int64_t>(size_t(rows), -1), s);  // unused
   DeviceBuffer d_tokens = to_device(std::vector<int32_t>{int32_t(rows)}, s);
@@ -290,17 +308,47 @@ Result run_decode(const Case& c, Context& ctx) {
   p.lse = static_cast<float*>(lse.data());
   p.error_flag = static_cast<int*>(flag.data());
 
-  const cuda::DecodePlan plan = cuda::plan_decode(c.batch, c.heads, c.q_len, c.seq, ctx.portable);
+  const cuda::DecodePlan plan = cuda::plan_decode(c.batch, c.heads, max_q, max_seq, ctx.portable);
   DeviceBuffer ws = device_alloc(plan.workspace_bytes);
+
+  // Across ranks: the partial spread to f32 (every row is this rank's, the identity map), the
+  // NCCL all-gather of the partials and the LSE merge, all inside the timed run.
+  const int64_t H = c.heads;
+  DeviceBuffer cp_rows, cp_out, cp_lse, cp_merged, cp_merged_lse, cp_ws;
+  if (c.cp > 1) {
+    KMLA_CHECK(ctx.comm && ctx.comm->world() == c.cp, "context-parallel case ", c.name,
+               " needs a communicator of ", c.cp, " ranks (kmla bench --cp ", c.cp, ")");
+    std::vector<int64_t> identity(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) identity[size_t(i)] = i;
+    cp_rows = to_device(identity, s);
+    cp_out = device_alloc(size_t(rows * H) * kKvLoraRank * sizeof(float));
+    cp_lse = device_alloc(size_t(rows * H) * sizeof(float));
+    cp_merged = device_alloc(size_t(rows * H) * kKvLoraRank * 2);
+    cp_merged_lse = device_alloc(size_t(rows * H) * sizeof(float));
+    cp_ws = device_alloc(dist::cp_gather_workspace_bytes(c.cp, rows, int(H), kKvLoraRank));
+  }
   KMLA_CUDA_CHECK(cudaStreamSynchronize(s));
+  auto step = [&] {
+    cuda::decode_attention(p, plan, ws.data(), s);
+    if (c.cp <= 1) return;
+    const auto st = reinterpret_cast<cuda::Stream>(s);
+    const TensorView part = device_view(cp_out, DType::f32, {rows, H, kKvLoraRank});
+    const TensorView part_lse = device_view(cp_lse, DType::f32, {rows, H});
+    dist::cp_scatter_partial(device_view(cp_rows, DType::i64, {rows}), device_view(out, DType::bf16, {rows, H, kKvLoraRank}),
+                             device_view(lse, DType::f32, {rows, H}), part, part_lse, st);
+    dist::cp_all_gather_merge(*ctx.comm, part, part_lse, cp_ws.data(),
+                              device_view(cp_merged, DType::bf16, {rows, H, kKvLoraRank}),
+                              device_view(cp_merged_lse, DType::f32, {rows, H}), st);
+  };
 
   Result r;
-  r.us = ctx.timer.median_us([&] { cuda::decode_attention(p, plan, ws.data(), s); }, ctx.warmup,
-                             ctx.iters);
+  r.us = ctx.timer.median_us(step, ctx.warmup, ctx.iters);
   const int err = read_error_flag(flag, s);
   KMLA_CHECK(err == 0, "decode attention raised device error flag ", err, " (harness bug?)");
-  r.bytes = decode_bytes(c.batch, c.seq, c.format);
-  r.flops = decode_flops(c.batch, c.q_len, c.heads, c.seq);
+  for (size_t i = 0; i < B; ++i) {
+    r.bytes += decode_bytes(1, seq_lens[i], c.format);
+    r.flops += decode_flops(1, q_lens[i], c.heads, seq_lens[i]);
+  }
   return r;
 }
 
@@ -318,7 +366,17 @@ Result run_prefill(const Case& c, Context& ctx) {
   fill_random(q.data(), size_t(t * h * kQkHeadDim) * 2, Fill::bf16, 21, 1.0f, s);
   fill_random(kv.data(), size_t(t * h * kKvBOut) * 2, Fill::bf16, 22, 1.0f, s);
   fill_random(k_rope.data(), size_t(t * kRopeDim) * 2, Fill::bf16, 23, 1.0f, s);
-  DeviceBuffer cu = to_device(std::vector<int32_t>{0, int32_t(t)}, s);
+  // One sequence, or the case's variable-length batch packed back to back.
+  const std::vector<int> lengths = c.lengths.empty() ? std::vector<int>{int(t)} : c.lengths;
+  std::vector<int32_t> cu_len(lengths.size() + 1, 0);
+  double pairs = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    cu_len[i + 1] = cu_len[i] + lengths[i];
+    pairs += prefill_pairs(lengths[i], c.causal);
+  }
+  KMLA_CHECK(cu_len.back() == t, "prefill case ", c.name, ": lengths sum to ", cu_len.back(),
+             ", not ", t, " tokens");
+  DeviceBuffer cu = to_device(cu_len, s);
 
   const auto* kv_base = static_cast<const cuda::bf16*>(kv.data());
   cuda::PrefillParams p;
@@ -334,8 +392,8 @@ Result run_prefill(const Case& c, Context& ctx) {
   p.heads = c.heads;
   p.cu_q = static_cast<const int32_t*>(cu.data());
   p.cu_k = p.cu_q;
-  p.num_seqs = 1;
-  p.max_q_len = int(t);
+  p.num_seqs = int(lengths.size());
+  p.max_q_len = *std::max_element(lengths.begin(), lengths.end());
   p.causal = c.causal;
   p.softmax_scale = float(1.0 / std::sqrt(double(kQkHeadDim)));
   p.act = DType::bf16;
@@ -344,7 +402,7 @@ Result run_prefill(const Case& c, Context& ctx) {
 
   Result r;
   r.us = ctx.timer.median_us([&] { cuda::prefill_attention(p, s); }, ctx.warmup, ctx.iters);
-  r.flops = prefill_flops(h, prefill_pairs(t, c.causal));
+  r.flops = prefill_flops(h, pairs);
   return r;
 }
 
@@ -358,7 +416,8 @@ struct LayerInputs {
 };
 
 LayerInputs make_layer_inputs(const Case& c, const MlaConfig& cfg, std::vector<RequestSpec> reqs,
-                              int64_t num_blocks, int decode_threshold, cudaStream_t s) {
+                              int64_t num_blocks, int decode_threshold, cudaStream_t s,
+                              int64_t workspace_tokens = BatchOptions{}.workspace_tokens) {
   LayerInputs in;
   const size_t entry = cache_entry_bytes(c.format);
   in.cache_memory = device_alloc(size_t(num_blocks) * c.block_size * entry);
@@ -368,6 +427,7 @@ LayerInputs make_layer_inputs(const Case& c, const MlaConfig& cfg, std::vector<R
   BatchOptions bo;
   bo.decode_threshold = decode_threshold;
   bo.non_causal_decode = cfg.non_causal_multi_token_decode;
+  bo.workspace_tokens = workspace_tokens;
   in.md = plan_batch(reqs, in.cache.geometry(), bo);
   const int64_t rows = in.md.num_rows;
   in.positions = to_device(in.md.positions, s);
@@ -378,17 +438,15 @@ LayerInputs make_layer_inputs(const Case& c, const MlaConfig& cfg, std::vector<R
   return in;
 }
 
-TensorView device_view(const DeviceBuffer& b, DType t, std::initializer_list<int64_t> dims) {
-  return TensorView(b.data(), t, dims, Device::cuda);
-}
-
 // The layer of the whole-layer cases: one rank of the TP group returns its partial o_proj sum
 // (no all-reduce); g_proj on the context's auxiliary stream.
+// Under `kmla bench --tp N` with NCCL the layer ends in the communicator's all-reduce instead.
 cuda::Layer make_layer(const MlaConfig& cfg, const MlaWeights& weights, const Context& ctx) {
   cuda::LayerOptions lo;
   lo.portable = ctx.portable;
   lo.aux_stream = ctx.aux_stream;
-  lo.partial_output = cfg.tp_size > 1;
+  if (cfg.tp_size > 1 && ctx.all_reduce) lo.all_reduce = ctx.all_reduce;
+  else lo.partial_output = cfg.tp_size > 1;
   return cuda::Layer(cfg, weights, lo);
 }
 
@@ -454,20 +512,24 @@ Result run_layer_decode(const Case& c, Context& ctx) {
   return r;
 }
 
-// A whole-layer prefill of one fresh request of T tokens (no context), timed as plain runs.
+// A whole-layer prefill of one request of T new tokens over c.context cached ones (gathered
+// in c.chunks chunks), timed as plain runs.
 Result run_layer_prefill(const Case& c, Context& ctx) {
   const cudaStream_t s = ctx.stream;
   const MlaConfig cfg = layer_config(c);
   const MlaWeights weights = MlaWeights::random(cfg, 51);
   const cuda::Layer layer = make_layer(cfg, weights, ctx);
 
-  const int64_t blocks = cuda::ceil_div(c.tokens, c.block_size);
+  const int64_t blocks = cuda::ceil_div(int64_t(c.context) + c.tokens, c.block_size);
   std::vector<RequestSpec> reqs(1);
   reqs[0].query_len = c.tokens;
-  reqs[0].context_len = 0;
+  reqs[0].context_len = c.context;
   const std::vector<int32_t> ids = random_block_tables(1, blocks, 52);
   reqs[0].block_table = ids;
-  LayerInputs in = make_layer_inputs(c, cfg, reqs, blocks, 1, s);
+  const int64_t chunk_tokens = c.context > 0 ? cuda::ceil_div(c.context, c.chunks) : BatchOptions{}.workspace_tokens;
+  LayerInputs in = make_layer_inputs(c, cfg, reqs, blocks, 1, s, chunk_tokens);
+  KMLA_CHECK(c.context == 0 || int64_t(in.md.context_chunks.size()) == c.chunks, "case ", c.name,
+             ": planned ", in.md.context_chunks.size(), " context chunks, not ", c.chunks);
   const int64_t rows = in.md.num_rows;
 
   const cuda::Plan plan = layer.plan(in.md, in.cache);
@@ -482,7 +544,28 @@ Result run_layer_prefill(const Case& c, Context& ctx) {
       [&] { layer.run(plan, positions, hidden, in.cache, out, ws.data(), s); }, ctx.warmup, ctx.iters);
   layer.check_errors(s);
   r.flops = layer_projection_flops(cfg, rows, false) +
-            prefill_flops(cfg.local_heads(), prefill_pairs(c.tokens, true));
+            prefill_flops(cfg.local_heads(), prefill_pairs(c.tokens, true) + double(c.tokens) * c.context);
+  return r;
+}
+
+// Chunked context (SPEC's target): what c.context cached tokens add to a layer prefill of
+// c.tokens new ones (the difference of two whole-layer runs: gather, kv_b over the context,
+// attention over it, merges) plus the attention over the new tokens alone, against the time
+// all those (query, key) pairs take at the single-sequence rate of the same attention kernel.
+// `floor_us` carries that reference time, so the report's ratio is the target's measure.
+Result run_chunked_prefill(const Case& c, Context& ctx) {
+  Case layer_with = c, layer_without = c;
+  layer_with.kind = layer_without.kind = Kind::layer_prefill;
+  layer_without.context = 0;
+  const Result with_ctx = run_layer_prefill(layer_with, ctx);
+  const Result without_ctx = run_layer_prefill(layer_without, ctx);
+  const Result new_attn = run_prefill(prefill_case(c.tokens, c.heads, true), ctx);
+
+  Result r;
+  r.us = with_ctx.us - without_ctx.us + new_attn.us;
+  r.flops = prefill_flops(c.heads, prefill_pairs(c.tokens, true) + double(c.tokens) * c.context);
+  r.floor_us = r.flops / (new_attn.flops / new_attn.us);
+  r.floor_name = "single-sequence rate";
   return r;
 }
 
@@ -494,6 +577,7 @@ Result run_case(const Case& c, Context& ctx) {
       case Kind::prefill: r = run_prefill(c, ctx); break;
       case Kind::layer_decode: r = run_layer_decode(c, ctx); break;
       case Kind::layer_prefill: r = run_layer_prefill(c, ctx); break;
+      case Kind::chunked_prefill: r = run_chunked_prefill(c, ctx); break;
     }
     KMLA_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // late faults belong to this case
   } catch (const std::exception& e) {
@@ -530,11 +614,19 @@ json case_json(const Case& c, const Result& r, double copy_gb_s) {
     j["tokens"] = c.tokens;
   }
   if (c.kind != Kind::prefill) j["cache_format"] = cache_format_name(c.format);
+  if (c.cp > 1) j["cp"] = c.cp;
   j["heads"] = c.heads;
   j["causal"] = c.causal;
-  if (c.kind == Kind::layer_decode || c.kind == Kind::layer_prefill) {
+  if (c.mixed) j["mixed"] = true;
+  if (!c.lengths.empty()) j["lengths"] = c.lengths;
+  if (c.context > 0) {
+    j["context"] = c.context;
+    j["chunks"] = c.chunks;
+  }
+  if (c.kind == Kind::layer_decode || c.kind == Kind::layer_prefill || c.kind == Kind::chunked_prefill) {
     j["model"] = c.model;
     j["tp"] = c.tp;
+    j["rank"] = c.rank;
   }
   if (!r.error.empty()) {
     j["error"] = r.error;
@@ -554,6 +646,7 @@ json case_json(const Case& c, const Result& r, double copy_gb_s) {
   if (r.floor_us > 0) {
     j["floor_us"] = r.floor_us;
     j["floor_ratio"] = r.us / r.floor_us;
+    j["floor_name"] = r.floor_name;
   }
   return j;
 }
@@ -569,7 +662,7 @@ void print_row(std::ostream& out, const Case& c, const Result& r, double copy_gb
       std::snprintf(frac, sizeof frac, "%5.1f%%", 100.0 * tb_s(r) * 1e3 / copy_gb_s);
     }
     if (r.floor_us > 0)
-      std::snprintf(note, sizeof note, "floor %.1f us, %.3fx floor", r.floor_us, r.us / r.floor_us);
+      std::snprintf(note, sizeof note, "%s %.1f us, %.3fx", r.floor_name, r.floor_us, r.us / r.floor_us);
     std::snprintf(buf, sizeof buf, "%-56s %10.1f %s %8.1f  %s  %s\n", c.name.c_str(), r.us, bw,
                   tflops(r), frac, note);
   }
@@ -581,7 +674,18 @@ void print_row(std::ostream& out, const Case& c, const Result& r, double copy_gb
 int run_bench(const BenchOptions& o, std::ostream& out) {
   KMLA_CHECK(o.iters >= 1, "bench iters ", o.iters, " < 1");
   KMLA_CHECK(o.warmup >= 0, "bench warmup ", o.warmup, " < 0");
-  std::vector<Case> cases = o.kind.empty() ? standard_cases() : std::vector<Case>{custom_case(o)};
+  KMLA_CHECK(o.tp == 0 || o.cp == 0, "bench: --tp and --cp are separate runs");
+  std::vector<Case> cases = !o.kind.empty() ? std::vector<Case>{custom_case(o)}
+                            : o.tp > 0      ? tp_cases(o.tp, o.tp_rank)
+                            : o.cp > 0      ? cp_cases(o.cp)
+                                            : standard_cases();
+  if (o.tp > 0 && !o.kind.empty()) {
+    KMLA_CHECK(cases[0].kind == Kind::layer_decode || cases[0].kind == Kind::layer_prefill,
+               "--tp applies to the layer kinds (layer-decode, layer-prefill), not '", o.kind, "'");
+    const Case c = cases[0];  // its name and heads follow --tp, not --heads
+    cases[0] = layer_case(c.kind, c.model, o.tp, c.batch, c.seq, c.q_len, c.tokens, c.block_size, c.format);
+    cases[0].rank = o.tp_rank;
+  }
   if (!o.only.empty())
     std::erase_if(cases, [&](const Case& c) { return c.name.find(o.only) == std::string::npos; });
   KMLA_CHECK(!cases.empty(), "no bench case matches '", o.only, "'");
@@ -596,6 +700,8 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   Timer timer(stream.s, size_t(prop.l2CacheSize));
   const double copy_gb_s = measure_copy_gb_s(timer, stream.s);
   Context ctx{stream.s, aux.s, timer, o.warmup, o.iters, o.portable, copy_gb_s};
+  ctx.all_reduce = o.all_reduce;
+  ctx.comm = o.comm;
   const std::string date = utc_now();
 
   if (!o.json) {
@@ -615,6 +721,10 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   bool all_ok = true;
   for (const Case& c : cases) {
     const Result r = run_case(c, ctx);
+    // With collectives a rank that skips a case would leave its peers waiting in the next
+    // all-reduce: a failed case ends this rank (and through the launcher, the others).
+    KMLA_CHECK(r.error.empty() || (!o.all_reduce && !o.comm), "bench case ", c.name, " failed on rank ",
+               o.comm ? o.cp_rank : o.tp_rank, ": ", r.error);
     all_ok = all_ok && r.error.empty();
     if (o.json) results.push_back(case_json(c, r, copy_gb_s));
     else print_row(out, c, r, copy_gb_s);

@@ -4,8 +4,13 @@
 // process (SPEC §4 gives the conventions).
 #pragma once
 
+#include <functional>
 #include <ostream>
 #include <string>
+
+#include "kmla/cuda.hpp"
+#include "kmla/dist.hpp"
+#include "kmla/tensor.hpp"
 
 namespace kmla::bench {
 
@@ -28,6 +33,18 @@ struct BenchOptions {
   bool causal = true;                 // multi-token decode blocks / prefill masking
   std::string model = "kimi-k3";      // preset of the layer kinds
   bool portable = false;              // force the sm_80 kernels
+  // Tensor parallelism (kmla bench --tp N): tp > 0 replaces the standard list by the K3 layer
+  // cases at world tp, run as rank tp_rank; with all_reduce (an NCCL communicator's) each
+  // layer ends in it inside the timed (graphed) step, otherwise it returns the partial sum.
+  int tp = 0;
+  int tp_rank = 0;
+  std::function<void(const TensorView& out, cuda::Stream stream)> all_reduce;
+  // Decode context parallelism (kmla bench --cp N): cp > 0 replaces the standard list by
+  // long-context decode cases in which this rank holds 1/cp of every sequence's keys; with
+  // `comm`, the all-gather and LSE merge of the partials are inside each timed run.
+  int cp = 0;
+  int cp_rank = 0;
+  dist::Communicator* comm = nullptr;
 };
 
 // Runs the cases and writes the table (or JSON) to `out`. Returns 0 when every case ran,

@@ -79,6 +79,7 @@ const char* kind_name(Kind k) {
     case Kind::prefill: return "prefill";
     case Kind::layer_decode: return "layer-decode";
     case Kind::layer_prefill: return "layer-prefill";
+    case Kind::chunked_prefill: return "chunked-prefill";
   }
   return "?";
 }
@@ -101,7 +102,45 @@ Case prefill_case(int tokens, int heads, bool causal) {
   return c;
 }
 
-MlaConfig layer_config(const Case& c) { return MlaConfig::preset(c.model).tp_slice(0, c.tp); }
+Case mixed_decode_case(int b, int h, int s, int q) {
+  Case c = decode_case(b, h, s, q);
+  c.mixed = true;
+  c.name += "_mixed";
+  return c;
+}
+
+Case varlen_prefill_case(const std::vector<int>& lengths, int heads) {
+  Case c;
+  c.kind = Kind::prefill;
+  c.lengths = lengths;
+  c.heads = heads;
+  for (int n : lengths) c.tokens += n;
+  c.name = "prefill/varlen" + std::to_string(lengths.size()) + "_t" + std::to_string(c.tokens) +
+           "_h" + std::to_string(heads) + "_causal";
+  return c;
+}
+
+Case chunked_prefill_case(const std::string& model, int tp, int tokens, int context, int chunks) {
+  Case c = layer_case(Kind::layer_prefill, model, tp, 0, 0, 0, tokens);
+  c.kind = Kind::chunked_prefill;
+  c.context = context, c.chunks = chunks;
+  c.name = std::string(kind_name(c.kind)) + "/" + model + "_tp" + std::to_string(tp) + "_h" +
+           std::to_string(c.heads) + "/t" + std::to_string(tokens) + "_ctx" + std::to_string(context) +
+           "_chunks" + std::to_string(chunks);
+  return c;
+}
+
+std::vector<int32_t> mixed_lengths(int n, int mean) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int32_t& len : v) {  // xorshift64: the same spread on every machine
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    len = std::max<int32_t>(1, int32_t(mean / 2 + int64_t(x % uint64_t(mean + 1))));
+  }
+  return v;
+}
+
+MlaConfig layer_config(const Case& c) { return MlaConfig::preset(c.model).tp_slice(c.rank, c.tp); }
 
 Case layer_case(Kind kind, const std::string& model, int tp, int batch, int seq, int q_len, int tokens,
                 int bs, CacheFormat f) {
@@ -152,7 +191,39 @@ std::vector<Case> standard_cases() {
       prefill_case(32768, 16),
       layer_case(Kind::layer_decode, "kimi-k3", 8, 128, 8192, 1, 0),
       layer_case(Kind::layer_prefill, "kimi-k3", 8, 0, 0, 0, 8192),
+      // Mixed batches against the uniform ones above (same mean bytes / FLOPs).
+      mixed_decode_case(128, 12, 8192, 1),
+      mixed_decode_case(128, 12, 8192, 4),
+      // 16 sequences of 1..8192 tokens (32k in all) against prefill/t8192_h16 and t32768_h16.
+      varlen_prefill_case({8192, 5000, 4096, 3333, 2500, 2048, 1800, 1500, 1200, 1025, 1000,
+                           513, 300, 255, 3, 1},
+                          16),
+      chunked_prefill_case("kimi-k3", 6, 8192, 24576, 4),
   };
+  return v;
+}
+
+// The K3 decode step the PERF table tracks at TP 1/2/4/8 (128 requests x 8k), a long-context
+// step (32 x 32k) and an 8k prefill.
+std::vector<Case> tp_cases(int tp, int rank) {
+  KMLA_CHECK(tp >= 1 && rank >= 0 && rank < tp, "bench rank ", rank, " outside [0, ", tp, ")");
+  std::vector<Case> v = {
+      layer_case(Kind::layer_decode, "kimi-k3", tp, 128, 8192, 1, 0),
+      layer_case(Kind::layer_decode, "kimi-k3", tp, 32, 32768, 1, 0),
+      layer_case(Kind::layer_prefill, "kimi-k3", tp, 0, 0, 0, 8192),
+  };
+  for (Case& c : v) c.rank = rank;
+  return v;
+}
+
+// One 1M-token sequence, 4 x 256k and 128 x 8k, at K3's 12 heads per GPU.
+std::vector<Case> cp_cases(int cp) {
+  KMLA_CHECK(cp >= 1, "context-parallel world must be >= 1, got ", cp);
+  std::vector<Case> v = {decode_case(1, 12, 1048576, 1), decode_case(4, 12, 262144, 1), decode_case(128, 12, 8192, 1)};
+  for (Case& c : v) {
+    c.cp = cp;
+    c.name += "_cp" + std::to_string(cp);
+  }
   return v;
 }
 

@@ -44,7 +44,7 @@ double weight_bytes(const MlaWeights& w);
 
 // ---- cases -------------------------------------------------------------------------------
 
-enum class Kind { decode, prefill, layer_decode, layer_prefill };
+enum class Kind { decode, prefill, layer_decode, layer_prefill, chunked_prefill };
 const char* kind_name(Kind k);
 
 struct Case {
@@ -54,7 +54,16 @@ struct Case {
   CacheFormat format = CacheFormat::bf16;
   bool causal = true;
   std::string model;  // layer kinds: the preset
-  int tp = 1;         // layer kinds: rank 0 of this tensor-parallel world (heads = preset / tp)
+  int tp = 1;         // layer kinds: a rank of this tensor-parallel world (heads = preset / tp)
+  int rank = 0;       // layer kinds: which rank
+  int cp = 1;         // decode: context-parallel world (each rank holds seq / cp keys)
+  // decode: request r has mixed_lengths(batch, seq)[r] keys (mean seq) and, when q_len > 1,
+  // mixed_lengths(batch, q_len)[r] query tokens, instead of seq and q_len each.
+  bool mixed = false;
+  std::vector<int> lengths;  // prefill: the sequences of a variable-length batch
+  // layer-prefill, chunked-prefill: tokens already cached before the `tokens` new ones, and
+  // the number of context chunks the layer gathers them in.
+  int context = 0, chunks = 1;
 };
 
 Case decode_case(int batch, int heads, int seq, int q_len, CacheFormat f = CacheFormat::bf16,
@@ -63,11 +72,32 @@ Case prefill_case(int tokens, int heads, bool causal = true);
 Case layer_case(Kind kind, const std::string& model, int tp, int batch, int seq, int q_len,
                 int tokens, int block_size = 64, CacheFormat f = CacheFormat::bf16);
 
-// The layer a layer case runs: the preset sliced to rank 0 of c.tp.
+// decode_case with mixed lengths (see Case::mixed); named like it with a "_mixed" suffix.
+Case mixed_decode_case(int batch, int heads, int seq, int q_len);
+// One variable-length prefill batch of `lengths` sequences (causal), `heads` heads.
+Case varlen_prefill_case(const std::vector<int>& lengths, int heads);
+// SPEC's chunked-context prefill: `tokens` new tokens of one request over `context` cached
+// ones gathered in `chunks` chunks, on the preset's tp slice. Its time is everything the
+// context adds to the layer (gather, kv_b over the context, attention, merges) plus the
+// attention over the new tokens, against the time the same (query, key) pairs take at the
+// single-sequence prefill rate (bench.cu: run_chunked_prefill).
+Case chunked_prefill_case(const std::string& model, int tp, int tokens, int context, int chunks);
+
+// `n` lengths in [mean / 2, 3 mean / 2], at least 1, deterministic: a spread that averages
+// about `mean` and puts most requests off block boundaries.
+std::vector<int32_t> mixed_lengths(int n, int mean);
+
+// The layer a layer case runs: the preset sliced to rank c.rank of c.tp.
 MlaConfig layer_config(const Case& c);
 
 // The default list: SPEC §4's targets and the shapes users ask about.
 std::vector<Case> standard_cases();
+
+// `kmla bench --tp N`: the K3 whole-layer cases (decode steps, a prefill) as rank `rank` of
+// world `tp` (tp = 1: the unsharded layer).
+std::vector<Case> tp_cases(int tp, int rank);
+// `kmla bench --cp N`: K3 (12 heads) decode over long contexts split along the tokens.
+std::vector<Case> cp_cases(int cp);
 
 // The one case of a custom shape (options.kind non-empty). Throws kmla::Error naming a bad
 // or missing field.

@@ -41,13 +41,24 @@ struct DecodePlan {
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile
   bool portable = false;
+  // 16-row tiles as one CTA per SM with a deep cp.async pipeline (needs ~210 KB of shared
+  // memory per block: Hopper; ignored for 32 / 64-row tiles). Changes the speed, never the
+  // arithmetic. plan_decode leaves it off (measured slower, see decode_attention.cu);
+  // callers may set it on a GPU that fits it.
+  bool deep_pipeline = false;
+  // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
+  // only on its own length, query length and the head count, so its output and LSE are
+  // bitwise the same whatever else is in the batch. num_splits is then the grid's split
+  // count (enough for max_seq_len); each request uses the first ceil(seq / keys per split)
+  // of them and the combine always runs, even for one split.
+  bool batch_invariant = false;
   size_t workspace_bytes = 0;  // partial outputs and LSEs of the splits
 };
 
 // Chooses the split count etc. for `num_requests` decode requests of at most
 // `max_query_len` query rows and `max_seq_len` keys, on the current device.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
-                       bool portable);
+                       bool portable, bool batch_invariant = false);
 
 // Runs decode attention. `workspace` holds plan.workspace_bytes (256-byte aligned).
 // Never allocates or synchronizes.

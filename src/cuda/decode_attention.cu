@@ -2,9 +2,11 @@
 // cores (mma.sync m16n8k16 + ldmatrix + cp.async), plus the LSE combine of the splits.
 //
 // One CTA handles one (request, KV split, tile of ROWS (token, head) query rows). The same
-// code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both, and every
-// shared-memory budget below fits sm_80's 163 KB per block. DecodePlan::portable therefore
-// only reaches the plan (it changes nothing today); a Hopper-only kernel would key on it.
+// code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both. On GPUs
+// with ~210 KB of shared memory per block (Hopper) the 16-row tiles can run a deep pipeline
+// (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
+// slower) that does not fit sm_80's 163 KB. docs/decode_sm90.md describes the pipeline,
+// budgets and split policies.
 //
 // Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
 // activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
@@ -14,12 +16,15 @@
 // accumulation. The softmax is fp32 (online, base 2). P is rounded to T for the P V mma
 // (the usual flash-attention choice; the row sum l uses the unrounded fp32 p). The output
 // is rounded to T once: directly when there is one split, else in the combine kernel from
-// fp32 partials.
+// fp32 partials (batch-invariant plans always combine; for one split that is the same
+// arithmetic: weight exp(0) = 1, total 1).
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "cuda/attention.cuh"
+#include "cuda/decode_args.cuh"
+#include "cuda/decode_sm90.cuh"
 #include "kmla/config.hpp"
 
 namespace kmla::cuda {
@@ -27,12 +32,27 @@ namespace kmla::cuda {
 namespace {
 
 constexpr int kKeyTile = 32;                // keys per pipeline stage
-constexpr int kStages = 2;                  // cp.async stages of key tiles
+constexpr int kStages = 2;                  // cp.async stages of key tiles (two CTAs per SM)
+// The deep pipeline (Hopper, 16-row tiles, one CTA per SM): 16-bit cache 5 stages of
+// 36,864 B (4 tiles = 147 KB in flight while one is computed); fp8 formats 7 raw stages
+// of 18,432 / 20,992 B (6 = 110 / 126 KB in flight). See smem_plan for the totals.
+constexpr int kDeepStages16 = 5;
+constexpr int kDeepStagesFp8 = 7;
 constexpr int kRowBytes = kLatentDim * 2;   // one 576-wide row in T: 1152 B
 constexpr int kRowChunks = kRowBytes / 16;  // 72 chunks of 16 B
 constexpr int kPStride = kKeyTile + 8;      // P row stride (elements): 80 B, conflict-free
+// 16-row kernels: a warp's partial S tile [16][32] fp32 is stored with rows of 40 floats,
+// so each half-warp's float2 stores and loads (rows g = 0..3 or 4..7, 8 B at 8 g + 2 t)
+// cover all 32 banks once.
+constexpr int kSPartStride = kKeyTile + 8;
+constexpr int kDepthSteps = kLatentDim / 16 / 4;  // k-steps of S per warp (depth split): 9
 constexpr int kMaxSplits = 1024;            // combine weights in shared memory: 4 KB
 constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
+// Batch-invariant mode: a split covers at least this many keys (16 tiles). Against 512 x
+// 1152 B = 590 KB of bf16 keys a 16-row split writes and the combine reads 2 x 32 KB of
+// fp32 partials (~11 %); 512 keys reach the 1024-split cap at 512K keys, beyond which the
+// split grows with the sequence.
+constexpr int kInvariantMinKeys = 512;
 constexpr int kDsMlaEntryBytes = 656;       // 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -40,65 +60,68 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- shared-memory plan ----------------------------------------------------------
 // Byte offsets inside the dynamic shared memory of one CTA. raw_entry_bytes is 0 for a
-// 16-bit cache (tiles are copied straight into the T layout, kStages of them) and the fp8
-// entry size (576 or 656) otherwise (kStages raw tiles + one converted T tile).
+// 16-bit cache (tiles are copied straight into the T layout, `stages` of them) and the fp8
+// entry size (576 or 656) otherwise (`stages` raw tiles + one converted T tile).
 //   rows = 16: Q 18,432 + tiles 73,728 + P 1,280 + flags 64 + reductions 512 = 94,016 B
 //   rows = 64: Q 73,728 + tiles 73,728 + P 5,120 + flags 64 + reductions 2,048 = 154,688 B
 //   rows = 64, fp8_ds_mla: Q 73,728 + T tile 36,864 + raw 41,984 + ... = 159,808 B
-// (sm_80 allows 166,912 B per block; H200 fits two rows-16 CTAs per SM.)
+//   deep, rows 16: Q 18,432 + 5 tiles 184,320 + 1,280 + 160 + 512 + 10,240 = 214,944 B
+//   deep, rows 16, fp8_ds_mla: Q 18,432 + T 36,864 + 7 raw 146,944 + 1,280 + 224 + 512
+//     + 10,240 = 214,496 B (plain fp8: 196,576 B)
+// (sm_80 allows 166,912 B per block; H200 (228 KB per SM, 1 KB reserved per CTA) fits two
+// 2-stage rows-16 CTAs per SM, or one deep one: 227 KB per block.)
 struct SmemPlan {
-  int q = 0, tiles = 0, raw = 0, p = 0, key_ok = 0, red_max = 0, red_sum = 0, total = 0;
+  int q = 0, tiles = 0, raw = 0, p = 0, key_ok = 0, red_max = 0, red_sum = 0, s_part = 0,
+      total = 0;
 };
 
-__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes) {
+__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, int stages) {
   SmemPlan s;
   int off = 0;
   s.q = off;
   off += rows * kRowBytes;  // Q [rows][576] T, swizzled
   s.tiles = off;
-  off += (raw_entry_bytes ? 1 : kStages) * kKeyTile * kRowBytes;  // K=V tiles [32][576] T
+  off += (raw_entry_bytes ? 1 : stages) * kKeyTile * kRowBytes;  // K=V tiles [32][576] T
   s.raw = off;
-  off += raw_entry_bytes ? kStages * kKeyTile * raw_entry_bytes : 0;  // raw fp8 rows
+  off += raw_entry_bytes ? stages * kKeyTile * raw_entry_bytes : 0;  // raw fp8 rows
   s.p = off;
   off += rows * kPStride * 2;  // P [rows][32 (+8 pad)] T
   s.key_ok = off;
-  off += kStages * kKeyTile;  // per stage: key loaded (inside the split, good block id)
+  off += stages * kKeyTile;  // per stage: key loaded (inside the split, good block id)
   s.red_max = off;
   off += rows * 4 * 4;  // [row group][key slice][16] fp32 partial row maxima
   s.red_sum = off;
   off += rows * 4 * 4;  // same for the final row sums
+  off = (off + 15) / 16 * 16;
+  s.s_part = off;
+  // [slice][16][32 (+8)] fp32 partial S: the deep 16-row kernels' depth-split S only
+  off += rows == 16 && stages > kStages ? 4 * 16 * kSPartStride * 4 : 0;
   s.total = off;
   return s;
 }
 
-// What the kernel needs, flattened from DecodeParams / DecodePlan on the host.
-struct DecodeArgs {
-  const void* q;  // [rows, heads, 576] T, or e4m3 codes when q_fp8
-  bool q_fp8;
-  const std::byte* cache_base;  // block b at cache_base + b * block_stride
-  int64_t block_stride;         // bytes
-  int64_t num_blocks;
-  int block_size;
-  int entry_bytes;  // 1152, 576 or 656
-  CacheFormat format;
-  const int32_t* block_tables;  // [num_requests, max_blocks]
-  const int32_t* seq_lens;      // [num_requests]
-  const int32_t* query_lens;    // [num_requests]
-  const int32_t* query_start;   // [num_requests + 1]
-  int max_blocks;
-  int num_requests;
-  int heads;
-  bool causal;
-  float score_scale_log2;  // softmax_scale (* q_scale * k_scale on plain fp8) * log2(e)
-  float v_scale;           // k_scale on the plain fp8 cache, else 1
-  void* out;               // [rows, heads, 512] T
-  float* lse;              // [rows, heads]
-  int* error_flag;
-  int num_splits;
-  int max_rows;   // plan.max_query_len * heads: workspace rows per request
-  float* ws_o;    // [num_requests, max_rows, num_splits, 512] fp32 (normalised partials)
-  float* ws_lse;  // [num_requests, max_rows, num_splits] natural log, -inf = empty
-};
+// Batch-invariant split policy: keys per split for a request of `seq` keys, from its own
+// length only: kInvariantMinKeys, or more (a whole number of tiles) so that at most
+// kMaxSplits splits cover it. A grid of fewer splits than that (a plan made for shorter
+// sequences, e.g. a CUDA graph's DecodeShape::max_seq_len) spreads the keys over the
+// grid's splits instead: still exact, no longer batch invariant.
+__host__ __device__ inline int invariant_keys_per_split(int seq, int grid_splits) {
+  const int64_t tiles_at_cap = (int64_t(seq) + int64_t(kMaxSplits) * kKeyTile - 1) /
+                               (int64_t(kMaxSplits) * kKeyTile);
+  int64_t per = tiles_at_cap * kKeyTile;
+  per = per > kInvariantMinKeys ? per : kInvariantMinKeys;
+  if ((int64_t(seq) + per - 1) / per > grid_splits) {
+    const int64_t tiles = (int64_t(seq) + kKeyTile - 1) / kKeyTile;
+    per = (tiles + grid_splits - 1) / grid_splits * kKeyTile;
+  }
+  return int(per);
+}
+
+// Splits a request of `seq` keys uses in batch-invariant mode.
+__host__ __device__ inline int invariant_splits(int seq, int grid_splits) {
+  const int per = invariant_keys_per_split(seq, grid_splits);
+  return int((int64_t(seq) + per - 1) / per);
+}
 
 // ---- small device helpers -----------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -232,20 +255,29 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
 // Warps: (ROWS / 16) row groups x 4 key/column slices; warp w works on query rows
 // [16 g, 16 g + 16) of the tile (g = w / 4) and slice c = w % 4:
 //   S = Q K^T: keys [8c, 8c + 8) of the 32-key tile, 576 deep (36 k-steps, two
-//              accumulator chains for ILP);
+//              accumulator chains for ILP); the deep 16-row kernels instead split the depth:
+//              warp c does k-steps [9c, 9c + 9) for all 32 keys with Q in registers, and
+//              the 4 partial tiles are added in shared memory;
 //   softmax:   row maxima of the 4 slices exchanged through shared memory, so all 4 warps
 //              of a row group keep the identical running max m (and hence the identical
 //              rescale factor); each warp keeps its own partial row sum l, added up at the
 //              end;
 //   O += P V:  output columns [128c, 128c + 128) for its 16 rows: 16 n-tiles x 4 fp32 =
 //              64 accumulator registers per thread.
-// Pipeline per 32-key tile t (2 stages; fp8 formats stage raw bytes and convert):
-//   sync; issue cp.async of tile t+1 (block id prefetched one tile earlier); wait tile t;
-//   sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale, P -> smem; sync; PV.
+// Pipeline per 32-key tile t (STAGES stages; fp8 formats stage raw bytes and convert):
+//   sync; issue cp.async of tile t + STAGES - 1 (block id prefetched one issue earlier);
+//   wait tile t; sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale,
+//   P -> smem; sync; PV.
+// STAGES = 2 with two CTAs per SM (the default), or the deep pipeline (kDeepStages*, one
+// CTA per SM, 4-6 tiles in flight). Measured on H200: the deep form is slower (0.65 of copy
+// bandwidth against 0.74-0.90), so a tile's compute in one CTA (~1.7 us, over the 1.2 us a
+// 36 KB tile takes at the SM's share of the bandwidth) is what bounds the kernel, and two
+// CTAs per SM overlap it; the depth-split S of the deep kernels cuts that compute (0.65 ->
+// 0.73), still short of the 2-stage form's 0.89.
 // Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
 // (512 threads) is capped at 128 registers by the launch bounds.
-template <class T, int ROWS, bool kConvert>
-__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
+template <class T, int ROWS, bool kConvert, int STAGES>
+__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
@@ -260,8 +292,6 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
   const int nrows = min(qlen * a.heads, a.max_rows);
   if (row0 >= nrows) return;  // padded request slot (qlen 0) or past this request's rows
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = warp >> 2, slice = warp & 3;
   const int seq = a.seq_lens[r];
   // Keys visible to local row `row` (0 for rows past the request).
   auto key_count = [&](int row) -> int {
@@ -270,14 +300,38 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
     return max(0, a.causal ? seq - (qlen - 1 - token) : seq);
   };
   // The tile's last valid row sees the most keys; split that range into tile-aligned parts.
+  // Default: the tile's keys in num_splits equal parts. Batch invariant: parts of a size
+  // set by the request's own length (never by the batch), so a row's keys fall into the
+  // same splits and tiles however the batch around it looks; a row's arithmetic depends
+  // on nothing else (its S row, max, sum and P V row are its own; keys a row cannot see
+  // are masked and leave its state bitwise unchanged).
   const int kmax = key_count(min(nrows, row0 + ROWS) - 1);
-  const int tiles_all = (kmax + kKeyTile - 1) / kKeyTile;
-  const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
-  const int key0 = split * tiles_per_split * kKeyTile;
-  const int key1 = min(kmax, key0 + tiles_per_split * kKeyTile);
+  int key0, key1;
+  if (a.batch_invariant) {
+    // Split `split` starts at split * per; past the tile's keys it is empty (key0 = kmax).
+    const int per = invariant_keys_per_split(seq, a.num_splits);
+    key0 = unsigned(split) < (unsigned(kmax) + unsigned(per) - 1u) / unsigned(per) ? split * per
+                                                                                : kmax;
+    key1 = min(kmax, key0 + per);
+  } else {
+    const int tiles_all = (kmax + kKeyTile - 1) / kKeyTile;
+    const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
+    key0 = split * tiles_per_split * kKeyTile;
+    key1 = min(kmax, key0 + tiles_per_split * kKeyTile);
+  }
   const int ntiles = key1 > key0 ? (key1 - key0 + kKeyTile - 1) / kKeyTile : 0;
+  if (ntiles == 0 && !a.direct_out) {
+    // An empty split (a short request in a grid sized for long ones): the combine needs
+    // only its LSE of -inf, and then never reads its partial output.
+    const int row = row0 + int(threadIdx.x);
+    if (threadIdx.x < ROWS && row < nrows)
+      a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
+    return;
+  }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0);
+  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;
@@ -285,6 +339,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
   uint8_t* const key_ok_s = reinterpret_cast<uint8_t*>(smem + sp.key_ok);
   float* const red_max = reinterpret_cast<float*>(smem + sp.red_max);
   float* const red_sum = reinterpret_cast<float*>(smem + sp.red_sum);
+  float* const s_part = reinterpret_cast<float*>(smem + sp.s_part);
 
   // ---- Q tile -> shared memory (T, swizzled; rows past the request are zero) ----
   const int64_t out_row0 = int64_t(a.query_start[r]) * a.heads + row0;
@@ -315,7 +370,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
     return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
   };
   auto issue = [&](int tile, int block) {
-    const int stage = tile % kStages;
+    const int stage = tile % STAGES;
     const int pos = key0 + tile * kKeyTile + my_key;
     bool ok = pos < key1;
     const std::byte* src = a.cache_base;
@@ -339,13 +394,18 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
     }
   };
 
+  // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
+  // Q); the block id of the next tile to issue is always fetched one issue ahead.
   int next_block = fetch_block(0);
-  if (ntiles > 0) {
-    const int b = next_block;
-    next_block = fetch_block(1);
-    issue(0, b);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < ntiles) {
+      const int b = next_block;
+      next_block = fetch_block(i + 1);
+      issue(i, b);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();  // group 0: Q and tile 0
 
   // Per-thread state: rows lo = lane / 4 and hi = lo + 8 of the warp's row group.
   const int row_lo = group * 16 + (lane >> 2), row_hi = row_lo + 8;
@@ -359,19 +419,25 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
   const uint32_t q_base = smem_addr(q_s);
   const uint32_t p_base = smem_addr(p_s);
   const int key_col = slice * 8 + 2 * (lane & 3);  // this thread's 2 keys in the tile
+  // The deep 16-row kernels split S by depth (below); their Q fragments live in registers.
+  // Measured on H200 in the 2-stage kernel it cost ~5 % (0.844 against 0.892 of copy
+  // bandwidth at (128, 12, 8k)) while it lifted the deep one from 0.65 to 0.73, so only
+  // the deep form uses it.
+  constexpr bool kDepthSplitS = ROWS == 16 && STAGES > kStages;
+  uint32_t qa[kDepthSplitS ? kDepthSteps : 1][4];
 
   for (int t = 0; t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
-    if (t + 1 < ntiles) {
+    if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
       const int b = next_block;
-      next_block = fetch_block(t + 2);
-      issue(t + 1, b);
+      next_block = fetch_block(t + STAGES);
+      issue(t + STAGES - 1, b);
     }
-    cp_async_commit();
-    cp_async_wait<1>();  // everything but the newest group has landed: Q and tile t
+    cp_async_commit();  // group t + STAGES - 1 (maybe empty)
+    cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
     __syncthreads();
 
-    const int stage = t % kStages;
+    const int stage = t % STAGES;
     if constexpr (kConvert) {
       // Raw fp8 tile -> T tile. Every thread converts groups of 16 codes (one 16-byte
       // shared load, two 16-byte stores); all of a thread's loads are issued before the
@@ -469,7 +535,56 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
 
     // ---- S = Q K^T for rows of my group x keys [8 slice, 8 slice + 8) ----
     float s[4];
-    {
+    if constexpr (kDepthSplitS) {
+      // Warp `slice` multiplies its quarter of the depth (k-steps [9 slice, 9 slice + 9))
+      // with all 32 keys: 4 independent chains of 9 mma instead of 2 of 18, and 18
+      // ldmatrix per tile instead of 108 (its Q fragments, 36 registers, are loaded once).
+      // The four partial tiles meet in shared memory (10 KB, one more barrier); each warp
+      // then adds up its own 8-key slice, in slice order 0..3.
+      if (t == 0) {
+#pragma unroll
+        for (int i = 0; i < kDepthSteps; ++i)
+          ldsm_x4(q_base + swz(lane & 15, 2 * (kDepthSteps * slice + i) + (lane >> 4)), qa[i]);
+      }
+      float sp[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) sp[n][0] = sp[n][1] = sp[n][2] = sp[n][3] = 0.0f;
+      // ldmatrix x4: lanes 0-7 keys 0-7 low chunk, 8-15 keys 0-7 high chunk, 16-23 keys
+      // 8-15 low, 24-31 keys 8-15 high = b0, b1 of n-tile 0, then of n-tile 1.
+      const int kr = (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+      for (int i = 0; i < kDepthSteps; ++i) {
+        const int c = 2 * (kDepthSteps * slice + i) + ((lane >> 3) & 1);
+        uint32_t b01[4], b23[4];
+        ldsm_x4(k_base + swz(kr, c), b01);
+        ldsm_x4(k_base + swz(kr + 16, c), b23);
+        mma_16816<T>(sp[0], qa[i], b01[0], b01[1]);
+        mma_16816<T>(sp[1], qa[i], b01[2], b01[3]);
+        mma_16816<T>(sp[2], qa[i], b23[0], b23[1]);
+        mma_16816<T>(sp[3], qa[i], b23[2], b23[3]);
+      }
+      const int g = lane >> 2, tq = 2 * (lane & 3);
+      float* const mine = s_part + slice * 16 * kSPartStride;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        *reinterpret_cast<float2*>(mine + g * kSPartStride + 8 * n + tq) =
+            make_float2(sp[n][0], sp[n][1]);
+        *reinterpret_cast<float2*>(mine + (g + 8) * kSPartStride + 8 * n + tq) =
+            make_float2(sp[n][2], sp[n][3]);
+      }
+      __syncthreads();  // (the buffer is free again after the next barrier, the maxima's)
+      s[0] = s[1] = s[2] = s[3] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float* part = s_part + c * 16 * kSPartStride;
+        const float2 lo = *reinterpret_cast<const float2*>(part + g * kSPartStride + key_col);
+        const float2 hi = *reinterpret_cast<const float2*>(part + (g + 8) * kSPartStride + key_col);
+        s[0] += lo.x;
+        s[1] += lo.y;
+        s[2] += hi.x;
+        s[3] += hi.y;
+      }
+    } else {
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int qr = group * 16 + (lane & 15);
       const int kr = slice * 8 + (lane & 7);
@@ -525,12 +640,17 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
     m_hi = mnew_hi;
     *reinterpret_cast<uint32_t*>(p_s + (row_lo * kPStride + key_col) * 2) = pack2<T>(p0, p1);
     *reinterpret_cast<uint32_t*>(p_s + (row_hi * kPStride + key_col) * 2) = pack2<T>(p2, p3);
+    // Once the running max settles, corr is exactly 1 for whole warps: skip the 64
+    // multiplications then (x * 1 = x, so the result is bitwise the same). Only in the
+    // deep kernels (unmeasured elsewhere; the 128-register 32 / 64-row ones spill with it).
+    if (STAGES == kStages || __any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      acc[n][0] *= corr_lo;
-      acc[n][1] *= corr_lo;
-      acc[n][2] *= corr_hi;
-      acc[n][3] *= corr_hi;
+      for (int n = 0; n < 16; ++n) {
+        acc[n][0] *= corr_lo;
+        acc[n][1] *= corr_lo;
+        acc[n][2] *= corr_hi;
+        acc[n][3] *= corr_hi;
+      }
     }
     __syncthreads();
 
@@ -580,7 +700,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 ? 1 : 2)
     const float inv = empty ? 0.0f : a.v_scale / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     const int col0 = 128 * slice + 2 * (lane & 3);
-    if (a.num_splits == 1) {
+    if (a.direct_out) {
       T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
       for (int n = 0; n < 16; ++n)
@@ -626,8 +746,17 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t item = blockIdx.x;  // (request, row) pair
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;  // uniform over the CTA
-  const int S = a.num_splits;
-  const float* lse_in = a.ws_lse + item * S;
+  const float* lse_in = a.ws_lse + item * a.num_splits;
+  int S = a.num_splits;
+  if (lanes == 0) {
+    // Batch invariant: the request's own split count sets the lanes, hence which partials
+    // each lane adds and in what order. The grid's later splits are empty (LSE -inf, weight
+    // exactly 0) and would add exact zeros, so they are simply not visited.
+    S = invariant_splits(a.seq_lens[r], a.num_splits);
+    lanes = 2;
+    while (lanes < 32 && lanes < S) lanes *= 2;
+    if (int(blockIdx.y) >= lanes / 2) return;  // the grid is sized for the plan's lanes
+  }
 
   float big = kNegInf;
   for (int s = tid; s < S; s += kCombineThreads) big = fmaxf(big, lse_in[s]);
@@ -658,7 +787,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();  // weights visible; red_s free again
 
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* o = a.ws_o + item * S * kKvLoraRank + col;
+  const float* o = a.ws_o + item * a.num_splits * kKvLoraRank + col;
 #pragma unroll 4
   for (int s = split_lane; s < S; s += lanes) {
     const float w = weight_s[s];
@@ -692,6 +821,27 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // ---- host side ------------------------------------------------------------------------
+// The largest deep-pipeline CTA over the cache formats (the plan does not know the format).
+int deep_smem_bytes() {
+  return std::max({smem_plan(16, 0, kDeepStages16).total,
+                   smem_plan(16, kDsMlaEntryBytes, kDeepStagesFp8).total,
+                   smem_plan(16, kLatentDim, kDeepStagesFp8).total});
+}
+
+// Whether plans pick the deep pipeline where it fits. Measured on H200 (before the
+// depth-split S): one deep CTA per SM reached only 0.65 of copy bandwidth on every
+// memory-bound shape, against 0.74-0.90 for two 2-stage CTAs per SM: a CTA's compute per
+// tile (~1.7 us alone), not the bytes in flight, bounds it, and two CTAs overlap theirs.
+// Off until a measurement says otherwise; tests force it through DecodePlan.
+constexpr bool kDeepPipelineByDefault = false;
+
+// The deep pipeline runs 16-row tiles on GPUs with ~200 KB of shared memory per block
+// (sm_90: 227 KB), never on the portable path (sm_80: 163 KB).
+bool deep_pipeline_fits(bool portable, int rows_per_cta, int smem_per_block) {
+  return kDeepPipelineByDefault && !portable && rows_per_cta == 16 &&
+         smem_per_block >= deep_smem_bytes();
+}
+
 int rows_per_cta_for(int rows_per_request) {
   return rows_per_request <= 16 ? 16 : rows_per_request <= 32 ? 32 : 64;
 }
@@ -702,9 +852,10 @@ int rows_per_cta_for(int rows_per_request) {
 // read: <= 1 % extra for one row of bf16, 7 % for a 16-row tile), and a split of fewer than
 // kMinKeysPerSplit keys is mostly pipeline start-up. Among 1..max splits (no cap but
 // kMaxSplits), take the one whose last wave is fullest (CTAs / (waves * slots)), preferring
-// fewer splits when within 3.5 % of the best. On H200 (132 SMs x 2 slots):
+// fewer splits when within 3.5 % of the best. On H200 (132 SMs x 2 slots of 16 rows):
 //   128 req x 16 heads -> 2 splits (256 of 264 slots);  32 x 12 heads, 32K keys -> 8 (256);
 //   4 x 12 heads, 256K keys -> 64 (256);  1 x 12 heads, 64K keys -> 247, 1M -> 255.
+// (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.)
 int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   if (ctas <= 0) return 1;
   const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
@@ -722,12 +873,14 @@ int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // Workspace: ws_o [num_requests, max_query_len * heads, num_splits, 512] fp32, then (256-byte
-// aligned) ws_lse [num_requests, max_query_len * heads, num_splits] fp32. Empty with 1 split.
+// aligned) ws_lse [num_requests, max_query_len * heads, num_splits] fp32. Empty with 1 split
+// (unless batch invariant: the combine always runs there).
 struct WorkspaceLayout {
   size_t lse_offset = 0, bytes = 0;
 };
-WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len, int splits) {
-  if (splits <= 1) return {};
+WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len, int splits,
+                                 bool batch_invariant) {
+  if (splits <= 1 && !batch_invariant) return {};  // the kernel writes out / lse directly
   const size_t items =
       size_t(num_requests) * size_t(max_query_len) * size_t(heads) * size_t(splits);
   WorkspaceLayout w;
@@ -736,9 +889,9 @@ WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len,
   return w;
 }
 
-template <class T, int ROWS, bool kConvert>
+template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
-  auto kernel = decode_splitkv_kernel<T, ROWS, kConvert>;
+  auto kernel = decode_splitkv_kernel<T, ROWS, kConvert, STAGES>;
   // A host-side attribute (no sync, allowed during graph capture), set on every launch so
   // that it holds on whichever device is current.
   KMLA_CUDA_CHECK(
@@ -750,7 +903,7 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
 }  // namespace
 
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
-                       bool portable) {
+                       bool portable, bool batch_invariant) {
   KMLA_CHECK(num_requests >= 0, "decode: num_requests must be >= 0, got ", num_requests);
   KMLA_CHECK(heads >= 1 && heads <= 128, "decode: heads must be in [1, 128], got ", heads);
   KMLA_CHECK(max_query_len >= 1 && max_query_len <= 128,
@@ -759,24 +912,49 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   DecodePlan plan;
   plan.max_query_len = max_query_len;
   plan.portable = portable;
+  plan.batch_invariant = batch_invariant;
+  if (batch_invariant) {
+    // The row tile from the head count alone (a layer constant), not from the batch's
+    // longest query: a row's reductions do not depend on the tile size, but pinning it
+    // keeps every request on one compiled kernel, so not even the compiler's choices
+    // (contractions, unrolling) can differ between batches. The grid gets enough splits
+    // for the longest sequence; each request uses only as many as its own length asks for.
+    plan.rows_per_cta = rows_per_cta_for(heads);
+    int device = 0, smem_per_block = 0;
+    KMLA_CUDA_CHECK(cudaGetDevice(&device));
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_block,
+                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    plan.deep_pipeline = deep_pipeline_fits(portable, plan.rows_per_cta, smem_per_block);
+    const int64_t seq = std::min<int64_t>(max_seq_len, std::numeric_limits<int32_t>::max());
+    plan.num_splits = int(std::clamp<int64_t>(ceil_div(seq, int64_t(kInvariantMinKeys)), 1,
+                                              kMaxSplits));
+    plan.workspace_bytes =
+        workspace_layout(num_requests, heads, max_query_len, plan.num_splits, true).bytes;
+    return plan;
+  }
   plan.rows_per_cta = rows_per_cta_for(max_query_len * heads);
 
-  int device = 0, sms = 0, smem_per_sm = 0, threads_per_sm = 0;
+  int device = 0, sms = 0, smem_per_sm = 0, threads_per_sm = 0, smem_per_block = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   KMLA_CUDA_CHECK(
       cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   KMLA_CUDA_CHECK(
       cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_block,
+                                         cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  plan.deep_pipeline = deep_pipeline_fits(portable, plan.rows_per_cta, smem_per_block);
   // CTAs per SM from shared memory (1 KB per CTA is reserved by the driver) and threads.
-  const int smem = smem_plan(plan.rows_per_cta, 0).total + 1024;
+  const int smem =
+      (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
+      1024;
   const int threads = plan.rows_per_cta / 16 * 128;
   const int per_sm = std::max(1, std::min(smem_per_sm / smem, threads_per_sm / threads));
   const int64_t ctas =
       int64_t(num_requests) * ceil_div(int64_t(max_query_len) * heads, plan.rows_per_cta);
   plan.num_splits = choose_num_splits(ctas, max_seq_len, int64_t(sms) * per_sm);
   plan.workspace_bytes =
-      workspace_layout(num_requests, heads, max_query_len, plan.num_splits).bytes;
+      workspace_layout(num_requests, heads, max_query_len, plan.num_splits, false).bytes;
   return plan;
 }
 
@@ -816,8 +994,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
   if (b.num_requests == 0) return;
 
-  const WorkspaceLayout ws =
-      workspace_layout(b.num_requests, p.heads, plan.max_query_len, plan.num_splits);
+  const WorkspaceLayout ws = workspace_layout(b.num_requests, p.heads, plan.max_query_len,
+                                              plan.num_splits, plan.batch_invariant);
   KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
              plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
              " heads x ", plan.num_splits, " splits need (", ws.bytes, " B)");
@@ -849,6 +1027,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.lse = p.lse;
   a.error_flag = p.error_flag;
   a.num_splits = plan.num_splits;
+  a.batch_invariant = plan.batch_invariant;
+  a.direct_out = plan.num_splits == 1 && !plan.batch_invariant;
   a.max_rows = plan.max_query_len * p.heads;
   if (ws.bytes) {
     a.ws_o = static_cast<float*>(workspace);
@@ -859,9 +1039,19 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   const dim3 grid(unsigned(ceil_div(a.max_rows, rows)), unsigned(plan.num_splits),
                   unsigned(b.num_requests));
   const bool convert = !cache16;
-  const int smem = smem_plan(rows, convert ? a.entry_bytes : 0).total;
+  const bool deep = plan.deep_pipeline && rows == 16;
+  const int stages = deep ? (convert ? kDeepStagesFp8 : kDeepStages16) : kStages;
+  const int smem = smem_plan(rows, convert ? a.entry_bytes : 0, stages).total;
+  // Many rows per request (>= 64, 16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
+  // same grid, same workspace, same combine.
+  const bool sm90 = decode_sm90_supports(p, plan);
   dispatch_act(p.act, [&]<class T>() {
-    if (rows == 16) {
+    if (sm90) {
+      launch_decode_sm90(a, p.act, grid, stream);
+    } else if (deep) {
+      convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
+              : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
+    } else if (rows == 16) {
       convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false>(a, grid, smem, stream);
     } else if (rows == 32) {
@@ -871,12 +1061,14 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 64, true>(a, grid, smem, stream)
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
-    if (plan.num_splits > 1) {
+    if (!a.direct_out) {
       const int64_t items = int64_t(b.num_requests) * a.max_rows;
       int lanes = 2;
       while (lanes < 32 && lanes < plan.num_splits) lanes *= 2;
       const dim3 combine_grid(unsigned(items), unsigned(lanes / 2));
-      decode_combine_kernel<T><<<combine_grid, kCombineThreads, 0, stream>>>(a, lanes);
+      // lanes 0: each request picks its own from its own split count (batch invariant).
+      decode_combine_kernel<T>
+          <<<combine_grid, kCombineThreads, 0, stream>>>(a, plan.batch_invariant ? 0 : lanes);
       KMLA_LAUNCH_CHECK();
     }
   });

@@ -356,7 +356,8 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->decode_requests = md.num_decodes;
   }
   if (d->decode_requests > 0)
-    d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable);
+    d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable,
+                            options.batch_invariant);
 
   // ---- metadata image -------------------------------------------------------------------
   Layout L;

@@ -1,7 +1,8 @@
 // Variable-length prefill attention (qk head 192 = [k_nope 128 | k_rope 64], v head 128):
 // a FlashAttention-2 style kernel on mma.sync m16n8k16 tensor-core instructions, ldmatrix
-// fragment loads and cp.async double buffering. It is compiled for sm_80 and sm_90a alike;
-// the `portable` flag selects this same kernel (there is no wgmma path yet).
+// fragment loads and cp.async double buffering. It is compiled for sm_80 and sm_90a alike.
+// On sm_90 prefill_attention runs the wgmma kernel of prefill_sm90.cu instead, unless
+// p.portable or KMLA_PREFILL_SM90=0 (see prefill_uses_sm90).
 //
 // Two tilings of the same kernel (template parameter kRows, query rows per CTA):
 //   128 rows / 8 warps, 1 CTA per SM (register bound: 256 threads x ~250 registers);
@@ -530,8 +531,68 @@ void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream
   if (check_params(p)) launch_checked(p, rows_per_cta, stream);
 }
 
+namespace {
+
+// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
+bool env_switch(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
+             " must be 0 or 1, got '", env, "'");
+  return env[0] == '1';
+}
+
+// KMLA_PREFILL_SM90=0 (read once per process) keeps prefill_attention on the mma.sync kernel
+// on sm_90 too; unset, empty or 1: the wgmma kernel where it runs.
+bool sm90_allowed_by_env() {
+  static const bool allowed = env_switch("KMLA_PREFILL_SM90", true);
+  return allowed;
+}
+
+// The wgmma kernel's variant for prefill_attention (read once per process), for A/B timing:
+// KMLA_PREFILL_SM90_OVERLAP=0 runs the in-order consumer schedule, KMLA_PREFILL_SM90_PINGPONG=1
+// makes the consumer warpgroups take turns issuing MMAs, KMLA_PREFILL_SM90_EARLY_RESCALE=0
+// rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
+// the CTA order (0: round 1's heads one after the other). Unset: the Sm90Options defaults.
+const Sm90Options& sm90_options_from_env() {
+  static const Sm90Options opt = [] {
+    Sm90Options o;
+    o.overlap = env_switch("KMLA_PREFILL_SM90_OVERLAP", o.overlap);
+    o.pingpong = env_switch("KMLA_PREFILL_SM90_PINGPONG", o.pingpong);
+    o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
+    const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long g = std::strtol(env, &end, 10);
+      KMLA_CHECK(*end == '\0' && g >= 0 && g <= 128,
+                 "KMLA_PREFILL_SM90_HEAD_GROUP must be an integer in [0, 128], got '", env, "'");
+      o.head_group = int(g);
+    }
+    return o;
+  }();
+  return opt;
+}
+
+}  // namespace
+
+bool prefill_uses_sm90(const PrefillParams& p) {
+  return !p.portable && sm90_allowed_by_env() && prefill_sm90_supported(p);
+}
+
+void prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream,
+                            const Sm90Options& opt) {
+  if (!check_params(p)) return;
+  KMLA_CHECK(prefill_sm90_supported(p),
+             "prefill_attention_sm90: the current device is not an sm_90 GPU");
+  prefill_attention_sm90_launch(p, opt, stream);
+}
+
 void prefill_attention(const PrefillParams& p, cudaStream_t stream) {
-  if (check_params(p)) launch_checked(p, prefill_rows_per_cta(p), stream);
+  if (!check_params(p)) return;
+  if (prefill_uses_sm90(p))
+    prefill_attention_sm90_launch(p, sm90_options_from_env(), stream);
+  else
+    launch_checked(p, prefill_rows_per_cta(p), stream);
 }
 
 }  // namespace kmla::cuda

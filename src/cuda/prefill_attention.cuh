@@ -16,4 +16,52 @@ int prefill_rows_per_cta(const PrefillParams& p);
 // (8 warps, 1 CTA per SM); any other value throws. Same contract otherwise.
 void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream_t stream);
 
+// ---- the Hopper kernel (prefill_sm90.cu) ----------------------------------------------
+// Whether prefill_attention would use the wgmma kernel for `p` on the current device:
+// !p.portable, an sm_90 GPU, and KMLA_PREFILL_SM90 (read once per process) not "0". Setting
+// KMLA_PREFILL_SM90=0 forces the mma.sync kernel for A/B timing with `kmla bench`.
+bool prefill_uses_sm90(const PrefillParams& p);
+
+// Variants of the wgmma kernel, for tests and A/B timing. prefill_attention uses the
+// defaults unless the environment (read once per process) says otherwise:
+// KMLA_PREFILL_SM90_OVERLAP=0|1, KMLA_PREFILL_SM90_PINGPONG=0|1,
+// KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N.
+struct Sm90Options {
+  // The consumer schedule that runs the softmax of a tile under the previous tile's P.V;
+  // false: each step waited for in order (simpler; kept for tests and A/B timing).
+  bool overlap = true;
+  // The two consumer warpgroups take turns issuing their MMAs (named barriers); only with
+  // overlap (ignored otherwise). Off by default: FA3's tuning turns its equivalent off for
+  // 16-bit inputs at QK head dims above 128 (ours is 192); kept for A/B timing.
+  bool pingpong = false;
+  // With overlap: O's rescale by a tile's correction runs between the next S issue and the
+  // P.V issue (under S) instead of before the next issue.
+  bool early_rescale = true;
+  // CTA order: 0 = all blocks of a head (heavy first), then the next head (round 1); G > 0 =
+  // heads in groups of G, longest blocks of the group first (see prefill_sm90.cu).
+  int head_group = 8;
+};
+
+// prefill_attention on the wgmma kernel regardless of the heuristics (same validation and
+// contract); throws on a GPU that is not sm_90.
+void prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream,
+                            const Sm90Options& opt = {});
+
+// Whether the current device runs the wgmma kernel (an sm_90 GPU, and sm_90a code in this
+// binary; the operands' alignment needs are the mma.sync kernel's, checked by the validation).
+bool prefill_sm90_supported(const PrefillParams& p);
+
+// The launch alone (no validation): for prefill_attention.cu.
+void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
+                                   cudaStream_t stream);
+
+// Building-block probe of the wgmma kernel, for tests: one warpgroup loads a [64, 192],
+// k [128, 192] and v [128, 128] (dense rows in act) into the kernel's swizzled panels, writes
+// s_out = a k^T [64, 128] fp32 (smem-descriptor wgmma and the accumulator layout) and
+// o_out = round_act(s_out) v [64, 128] fp32 (register-A wgmma, MN-major V descriptor).
+// Device pointers; needs an sm_90 GPU. swap_v_strides exchanges the V descriptor's leading and
+// stride byte offsets (a diagnostic: the tests report whether that layout would match).
+void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
+                        float* o_out, cudaStream_t stream, bool swap_v_strides = false);
+
 }  // namespace kmla::cuda

@@ -146,7 +146,7 @@ struct DecodeAttention::Impl {
 };
 
 DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cache, int heads,
-                                 bool portable)
+                                 bool portable, bool batch_invariant)
     : impl_(std::make_unique<Impl>()) {
   validate_batch(md, cache.geometry());
   KMLA_CHECK(heads >= 1 && heads <= 128, "decode attention heads must be in [1, 128], got ", heads);
@@ -164,7 +164,8 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
     max_seq = std::max(max_seq, md.seq_lens[size_t(r)]);
   }
   if (d.requests > 0)
-    d.plan = plan_decode(d.requests, heads, std::max(1, md.max_decode_query_len), max_seq, portable);
+    d.plan = plan_decode(d.requests, heads, std::max(1, md.max_decode_query_len), max_seq, portable,
+                         batch_invariant);
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };
   const size_t R = size_t(d.requests);
   d.off_seq = align(R * size_t(d.max_blocks) * 4);

@@ -138,6 +138,9 @@ struct Engine::Impl {
   MlaConfig cfg;
   DType act = DType::bf16;
   std::vector<MlaWeights> weights;
+  // With opt.all_reduce: the unsharded layer the ranks compute together, for the oracle.
+  MlaConfig oracle_cfg;
+  std::vector<MlaWeights> full_weights;
   std::vector<MlaLayer> layers;
 #ifdef KMLA_HAVE_CUDA
   std::vector<cuda::Layer> gpu_layers;  // opt.cuda: the same layers on the GPU
@@ -172,6 +175,17 @@ Engine::Impl::Impl(EngineOptions o) : opt(std::move(o)), cfg(opt.config) {
   KMLA_CHECK(!opt.cuda, "the engine was asked to run on the GPU, but this build has no CUDA backend");
 #endif
   act = activation_for(opt.cache_format);
+  oracle_cfg = cfg;
+  if (opt.all_reduce && cfg.tp_size > 1) {
+    KMLA_CHECK(opt.cuda, "a tensor-parallel all-reduce needs the CUDA backend (--cuda)");
+    oracle_cfg.tp_rank = 0;
+    oracle_cfg.tp_size = 1;
+    for (int l = 0; l < opt.num_layers; ++l) {
+      full_weights.push_back(MlaWeights::random(oracle_cfg, opt.seed + uint64_t(l), act));
+      weights.push_back(full_weights.back().tp_slice(oracle_cfg, cfg.tp_rank, cfg.tp_size));
+    }
+    return;
+  }
   for (int l = 0; l < opt.num_layers; ++l) weights.push_back(MlaWeights::random(cfg, opt.seed + uint64_t(l), act));
 }
 
@@ -197,7 +211,8 @@ void Engine::Impl::build_layers(int64_t positions_needed) {
   if (opt.cuda) {
     cuda::LayerOptions clo;
     clo.activation = act;
-    clo.partial_output = lo.partial_output;
+    clo.partial_output = lo.partial_output && !opt.all_reduce;
+    if (cfg.tp_size > 1) clo.all_reduce = opt.all_reduce;
     for (int l = 0; l < opt.num_layers; ++l) gpu_layers.emplace_back(cfg, weights[size_t(l)], clo, rope);
   }
 #endif
@@ -280,8 +295,9 @@ CheckResult Engine::Impl::oracle_check(const Trace& trace, const CheckRecord& re
         const double inv = 1.0 / std::sqrt(ss / double(hs) + cfg.rms_norm_eps);
         for (int64_t i = 0; i < hs; ++i) in.data<uint16_t>()[t * hs + i] = to_act(float(xt[i] * inv), act);
       }
-      const reference::Result res = reference::forward(cfg, weights[size_t(l)], rope.get(), pos.view(), in.view(),
-                                                       &md, caches[size_t(l)], ro);
+      const MlaWeights& w = full_weights.empty() ? weights[size_t(l)] : full_weights[size_t(l)];
+      const reference::Result res = reference::forward(oracle_cfg, w, rope.get(), pos.view(), in.view(), &md,
+                                                       caches[size_t(l)], ro);
       for (size_t i = 0; i < x.size(); ++i) x[i] += res.out[i];
     }
     for (int64_t t = 0; t < s.kept; ++t) {
@@ -319,6 +335,13 @@ RunResult Engine::Impl::run(const Trace& trace, const std::function<void(const P
   const int N = int(trace.requests.size());
   const int64_t hs = cfg.hidden_size;
 
+  // Tensor-parallel ranks must plan the same steps (and so issue the same collectives): with
+  // requests arriving over time they need one clock (agree_clock), else only a trace that
+  // arrives all at once is safe.
+  if (opt.all_reduce && !opt.agree_clock)
+    for (const TraceRequest& r : trace.requests)
+      KMLA_CHECK(r.arrival_s == 0, "request ", r.id, " arrives at ", r.arrival_s,
+                 " s: a tensor-parallel run without a shared clock needs every request to arrive at 0");
   int64_t longest_rows = 1;
   for (const TraceRequest& r : trace.requests)
     longest_rows = std::max<int64_t>(longest_rows, int64_t(r.prompt.size()) + r.output_len - 1);
@@ -392,7 +415,7 @@ RunResult Engine::Impl::run(const Trace& trace, const std::function<void(const P
 
   std::vector<uint16_t> x_caller, x, normed, y;
   while (!sched.done()) {
-    const double start = now_s();
+    const double start = opt.agree_clock ? opt.agree_clock(now_s()) : now_s();
     if (!sched.has_work(start)) {  // idle: jump to the next arrival
       skipped += sched.next_arrival() - start;
       continue;

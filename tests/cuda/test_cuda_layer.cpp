@@ -438,17 +438,22 @@ TEST(CudaStages, DecodeAttentionMatchesCpuStage) {
     HostTensor gout(DType::bf16, {Td, H, kKvLoraRank}), glse(DType::f32, {Td, H});
     cuda::DeviceBuffer bq = to_device(q, dq), bo = to_device(gout, dout),
                        bl = to_device(glse, dlse);
-    const cuda::DecodeAttention da(in.md, dc.cache, H);
-    cuda::DeviceBuffer ws(da.workspace_bytes()), flag(sizeof(int));
-    CUDA_OK(cudaMemset(flag.data(), 0, sizeof(int)));
-    da.upload(ws.data(), nullptr);
-    da.run(dq, q_scale, dc.cache, scale, dout, dlse, ws.data(), static_cast<int*>(flag.data()), nullptr);
-    cuda::copy_to_host(dout, gout.view(), nullptr);
-    cuda::copy_to_host(dlse, glse.view(), nullptr);
-    int flag_h = -1;
-    CUDA_OK(cudaMemcpy(&flag_h, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(flag_h, 0);
-    expect_close_to_cpu(gout, out, glse, lse, cache_format_name(f));
+    // Default and batch-invariant plans (the latter always combines its splits).
+    for (const bool invariant : {false, true}) {
+      const cuda::DecodeAttention da(in.md, dc.cache, H, false, invariant);
+      cuda::DeviceBuffer ws(da.workspace_bytes()), flag(sizeof(int));
+      CUDA_OK(cudaMemset(flag.data(), 0, sizeof(int)));
+      CUDA_OK(cudaMemset(dout.data, 0xFF, size_t(Td) * H * kKvLoraRank * 2));
+      da.upload(ws.data(), nullptr);
+      da.run(dq, q_scale, dc.cache, scale, dout, dlse, ws.data(), static_cast<int*>(flag.data()), nullptr);
+      cuda::copy_to_host(dout, gout.view(), nullptr);
+      cuda::copy_to_host(dlse, glse.view(), nullptr);
+      int flag_h = -1;
+      CUDA_OK(cudaMemcpy(&flag_h, flag.data(), sizeof(int), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(flag_h, 0);
+      const std::string what = std::string(cache_format_name(f)) + (invariant ? ", invariant" : "");
+      expect_close_to_cpu(gout, out, glse, lse, what.c_str());
+    }
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -51,6 +52,7 @@ struct DecodeCase {
   std::vector<int> query_lens;
   // Request slot whose last used block id is replaced by an id outside the cache (-1: none).
   int bad_block_request = -1;
+  bool batch_invariant = false;  // plan in batch-invariant mode
   uint64_t seed = 1;
 };
 
@@ -58,7 +60,17 @@ struct DecodeCase {
 struct PlanTweak {
   int num_splits = 0;
   int rows_per_cta = 0;
+  bool deep = false;  // force the deep pipeline for 16-row tiles (where the GPU fits it)
 };
+
+// Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
+bool gpu_fits_deep_pipeline() {
+  int device = 0, optin = 0;
+  EXPECT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+            cudaSuccess);
+  return optin >= 227 * 1024;
+}
 
 // Spacing of representable act values at |x| (normal range), for the tolerance.
 float act_ulp(DType act, float x) {
@@ -230,15 +242,20 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   const int expected_flag = c.bad_block_request >= 0 ? kErrBadBlockId : 0;
 
   for (const PlanTweak& tweak : tweaks) {
-    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false);
+    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant);
     if (tweak.num_splits) plan.num_splits = tweak.num_splits;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
+    if (tweak.deep) {
+      if (!gpu_fits_deep_pipeline()) continue;
+      plan.deep_pipeline = true;
+    }
     // The documented workspace layout: fp32 partial outputs and LSEs, 256-byte aligned parts.
     plan.workspace_bytes = std::max(
         plan.workspace_bytes,
         size_t(R) * max_qlen * H * plan.num_splits * (kKvLoraRank + 1) * sizeof(float) + 512);
-    SCOPED_TRACE(::testing::Message()
-                 << "splits " << plan.num_splits << ", rows_per_cta " << plan.rows_per_cta);
+    SCOPED_TRACE(::testing::Message() << "splits " << plan.num_splits << ", rows_per_cta "
+                                      << plan.rows_per_cta << (plan.deep_pipeline ? ", deep" : "")
+                                      << (c.batch_invariant ? ", invariant" : ""));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);
@@ -309,8 +326,9 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   }
 }
 
-// Splits: what the plan picks, one, and several (beyond the sequence's tiles for short ones).
-const std::vector<PlanTweak> kSplitTweaks = {{0, 0}, {1, 0}, {5, 0}};
+// Splits: what the plan picks, one, and several (beyond the sequence's tiles for short ones);
+// the deep pipeline (not the plan's choice today) is forced too.
+const std::vector<PlanTweak> kSplitTweaks = {{0, 0}, {1, 0}, {5, 0}, {0, 0, true}, {3, 0, true}};
 
 TEST(CudaDecode, Bf16CacheMixedLengths) {
   KMLA_REQUIRE_GPU();
@@ -333,7 +351,7 @@ TEST(CudaDecode, Fp16CacheOddHeadsMultiToken) {
   c.query_lens = {4, 2, 3, 1, 0, 4, 2};
   c.seed = 2;
   // rows = 4 x 3 = 12: every row tile size, so 16 / 32 / 64-row CTAs see partial tiles.
-  run_case(c, {{0, 0}, {1, 32}, {3, 64}, {7, 16}});
+  run_case(c, {{0, 0}, {1, 32}, {3, 64}, {7, 16}, {7, 16, true}});
 }
 
 TEST(CudaDecode, Fp16CacheNonCausal) {
@@ -377,7 +395,7 @@ TEST(CudaDecode, Fp8CacheActQueries) {
   c.seq_lens = {1, 63, 64, 65, 1000};
   c.query_lens = {1, 3, 0, 1, 4};
   c.seed = 5;
-  run_case(c, {{0, 0}, {1, 0}, {4, 0}, {2, 64}});
+  run_case(c, {{0, 0}, {1, 0}, {4, 0}, {2, 64}, {1, 0, true}});
 }
 
 TEST(CudaDecode, DsMlaCache128Heads) {
@@ -424,7 +442,7 @@ TEST(CudaDecode, EveryBlockSizeEveryFormat) {
       c.seq_lens = {1, 63, 64, 0, 65, 1000};
       c.query_lens = {1, 1, 2, 0, 1, 3};
       c.seed = 100 + bs + 7 * int(format);
-      run_case(c, {{0, 0}, {3, 0}, {2, 32}, {5, 64}});
+      run_case(c, {{0, 0}, {3, 0}, {2, 32}, {5, 64}, {0, 0, true}});
     }
   }
 }
@@ -453,7 +471,7 @@ TEST(CudaDecode, HundredsOfSplitsDsMlaAndFp8) {
   c.seq_lens = {30000, 1, 5000};
   c.query_lens = {1, 1, 2};
   c.seed = 12;
-  run_case(c, {{0, 0}, {300, 0}, {117, 64}});
+  run_case(c, {{0, 0}, {300, 0}, {117, 64}, {300, 0, true}});
   c.format = CacheFormat::fp8;
   c.q_fp8 = true;
   c.q_scale = 0.25f;
@@ -499,8 +517,349 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
   EXPECT_GT(plan_decode(4, 12, 1, 262144, false).num_splits, 8);
   EXPECT_EQ(plan_decode(4, 16, 2, 100, true).rows_per_cta, 32);
   EXPECT_EQ(plan_decode(4, 128, 1, 100, false).rows_per_cta, 64);
+  // The deep pipeline is never the plan's choice (measured slower); tests force it.
+  EXPECT_FALSE(few.deep_pipeline);
+  EXPECT_FALSE(plan_decode(2, 16, 1, 8192, true).deep_pipeline);
+  EXPECT_FALSE(plan_decode(4, 128, 1, 100, false).deep_pipeline);
   EXPECT_THROW(plan_decode(4, 0, 1, 100, false), Error);
   EXPECT_THROW(plan_decode(4, 16, 129, 100, false), Error);
+}
+
+// ---- batch invariance ------------------------------------------------------------------
+// A target request of fixed content (cache rows and query rows) runs alone and inside
+// batches of random batchmates: more or fewer requests (around the GPU's CTA slots), longer
+// and shorter sequences (the split heuristics' length limits), query lengths 1..4 (every
+// row tile size of the default plan), a padded slot, the target anywhere in the batch. In
+// batch-invariant mode its output and LSE must be bitwise those of the lone run. The same
+// batches in the default mode must change them at least once (so the experiment can see a
+// difference), and must have reached several split counts and every row tile size.
+struct InvarianceWorld {
+  CacheFormat format = CacheFormat::bf16;
+  DType act = DType::bf16;
+  int heads = 16;
+  int block_size = 64;
+  bool q_fp8 = false;
+  int target_seq = 1500;  // > kInvariantMinKeys: several invariant splits
+  int target_qlen = 1;
+  int pool_blocks = 48;  // random blocks the batchmates read (shared between them)
+};
+
+struct Batchmates {
+  int count = 0;
+  int max_len = 0;   // lengths uniform in [0, max_len]
+  int max_qlen = 1;  // query lengths uniform in [1, max_qlen]
+  int long_len = 0;  // > 0: one batchmate has this many keys
+};
+
+struct TargetResult {
+  std::vector<uint16_t> out;  // [target_qlen * heads * 512] act bits
+  std::vector<float> lse;     // [target_qlen * heads]
+  DecodePlan plan;
+};
+
+class InvarianceExperiment {
+ public:
+  InvarianceExperiment(const InvarianceWorld& w, uint64_t seed) : w_(w), rng_(seed) {
+    const int bs = w.block_size;
+    target_blocks_ = (w.target_seq + bs - 1) / bs;
+    num_blocks_ = w.pool_blocks + target_blocks_;
+    // The target's blocks are the last ids, in a random order.
+    target_table_.resize(size_t(target_blocks_));
+    std::iota(target_table_.begin(), target_table_.end(), w.pool_blocks);
+    std::shuffle(target_table_.begin(), target_table_.end(), rng_);
+
+    cache_ = LatentCache::allocate(w.format, bs, num_blocks_, w.format == CacheFormat::fp8 ? 0.5f : 1.0f);
+    const CacheGeometry& g = cache_.geometry();
+    const size_t bytes = size_t(g.block_stride) * size_t(num_blocks_);
+    std::memset(cache_.base(), 0xFF, bytes);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    std::vector<float> row(kLatentDim);
+    for (int64_t slot = 0; slot < int64_t(num_blocks_) * bs; ++slot) {
+      const int block = int(slot / bs);
+      // Slots past the target's length keep their 0xFF (NaN) bytes.
+      if (block >= w.pool_blocks) {
+        const int j = int(std::find(target_table_.begin(), target_table_.end(), block) -
+                          target_table_.begin());
+        if (int64_t(j) * bs + slot % bs >= w.target_seq) continue;
+      }
+      for (float& x : row) x = uni(rng_);
+      cache_.write_row(slot, row.data());
+    }
+    d_cache_ = std::make_unique<DevBuf<uint8_t>>(bytes);
+    EXPECT_EQ(cudaMemcpy(d_cache_->ptr, cache_.base(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+
+    // Query rows: the target's, and a pool the batchmates draw from.
+    target_q_ = random_rows(w.target_qlen);
+    pool_q_ = random_rows(kPoolRows);
+  }
+
+  TargetResult run(const Batchmates& m, bool invariant, uint64_t batch_seed) {
+    std::mt19937_64 rng(batch_seed);  // the same batch in both modes
+    const int H = w_.heads, bs = w_.block_size;
+    // Slots in batch order: the batchmates, a padded slot (query_len 0) after the first of
+    // them, and the target at a random place.
+    enum Slot { kMate, kPad, kTarget };
+    std::vector<Slot> slots(size_t(m.count), kMate);
+    if (m.count >= 2) slots.insert(slots.begin() + 1, kPad);
+    slots.insert(slots.begin() + ptrdiff_t(rng() % (slots.size() + 1)), kTarget);
+    const int R = int(slots.size());
+    int target = 0;
+    std::vector<int> seq(R), qlen(R);
+    std::vector<std::vector<int32_t>> tables(R);
+    for (int r = 0, mate = 0; r < R; ++r) {
+      if (slots[r] == kPad) {
+        seq[r] = 77;  // a padded slot with a length: must be ignored
+        qlen[r] = 0;
+      } else if (slots[r] == kTarget) {
+        target = r;
+        seq[r] = w_.target_seq;
+        qlen[r] = w_.target_qlen;
+        tables[r] = target_table_;
+      } else {
+        seq[r] = mate++ == 0 && m.long_len > 0 ? m.long_len : int(rng() % uint64_t(m.max_len + 1));
+        qlen[r] = 1 + int(rng() % uint64_t(m.max_qlen));
+        for (int b = 0; b < (seq[r] + bs - 1) / bs; ++b)
+          tables[r].push_back(int32_t(rng() % uint64_t(w_.pool_blocks)));
+      }
+    }
+    int max_blocks = 1, max_qlen = 1, max_seq = 0, rows = 0;
+    std::vector<int32_t> start(R + 1);
+    for (int r = 0; r < R; ++r) {
+      max_blocks = std::max(max_blocks, int(tables[r].size()));
+      max_qlen = std::max(max_qlen, qlen[r]);
+      max_seq = std::max(max_seq, seq[r]);
+      start[r] = rows;
+      rows += qlen[r];
+    }
+    start[R] = rows;
+    std::vector<int32_t> table(size_t(R) * max_blocks);
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < max_blocks; ++b)
+        table[size_t(r) * max_blocks + b] =
+            b < int(tables[r].size()) ? tables[r][b] : int32_t(-1000 - b);  // garbage
+    const size_t row_bytes = size_t(H) * kLatentDim * q_elem();
+    std::vector<uint8_t> q(size_t(rows) * row_bytes);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < qlen[r]; ++i) {
+        const uint8_t* src = r == target ? &target_q_[size_t(i) * row_bytes]
+                                         : &pool_q_[size_t(rng() % kPoolRows) * row_bytes];
+        std::memcpy(&q[size_t(start[r] + i) * row_bytes], src, row_bytes);
+      }
+
+    DevBuf<uint8_t> d_q(q);
+    DevBuf<int32_t> d_table(table), d_seq(std::vector<int32_t>(seq.begin(), seq.end())),
+        d_qlen(std::vector<int32_t>(qlen.begin(), qlen.end())), d_start(start);
+    DevBuf<uint16_t> d_out(size_t(rows) * H * kKvLoraRank);
+    DevBuf<float> d_lse(size_t(rows) * H);
+    DevBuf<int> d_flag(1);
+    d_out.fill_bytes(0xFF);
+    d_lse.fill_bytes(0xFF);
+    d_flag.fill_bytes(0);
+    DecodeParams p;
+    p.q = d_q.ptr;
+    p.q_fp8 = w_.q_fp8;
+    p.q_scale = 0.25f;
+    const CacheGeometry& g = cache_.geometry();
+    p.cache.base = reinterpret_cast<std::byte*>(d_cache_->ptr);
+    p.cache.block_stride = g.block_stride;
+    p.cache.block_size = bs;
+    p.cache.num_blocks = num_blocks_;
+    p.cache.format = w_.format;
+    p.cache.k_scale = cache_.k_scale();
+    p.batch.block_tables = d_table.ptr;
+    p.batch.seq_lens = d_seq.ptr;
+    p.batch.query_lens = d_qlen.ptr;
+    p.batch.query_start = d_start.ptr;
+    p.batch.num_requests = R;
+    p.batch.max_blocks = max_blocks;
+    p.batch.num_rows = rows;
+    p.heads = H;
+    p.causal = true;
+    p.softmax_scale = 1.0f / std::sqrt(192.0f);
+    p.act = w_.act;
+    p.out = d_out.ptr;
+    p.lse = d_lse.ptr;
+    p.error_flag = d_flag.ptr;
+    TargetResult res;
+    res.plan = plan_decode(R, H, max_qlen, max_seq, false, invariant);
+    EXPECT_EQ(res.plan.batch_invariant, invariant);
+    DevBuf<uint8_t> d_ws(std::max<size_t>(res.plan.workspace_bytes, 1));
+    d_ws.fill_bytes(0xFF);
+    decode_attention(p, res.plan, d_ws.ptr, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(d_flag.download()[0], 0);
+    const size_t n = size_t(w_.target_qlen) * H;
+    res.out.resize(n * kKvLoraRank);
+    res.lse.resize(n);
+    EXPECT_EQ(cudaMemcpy(res.out.data(), d_out.ptr + size_t(start[target]) * H * kKvLoraRank,
+                         res.out.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(res.lse.data(), d_lse.ptr + size_t(start[target]) * H, n * 4,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return res;
+  }
+
+ private:
+  static constexpr int kPoolRows = 61;
+  size_t q_elem() const { return w_.q_fp8 ? 1 : 2; }
+  std::vector<uint8_t> random_rows(int n) {
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    const size_t elems = size_t(n) * w_.heads * kLatentDim;
+    std::vector<uint8_t> q(elems * q_elem());
+    for (size_t k = 0; k < elems; ++k) {
+      if (w_.q_fp8) {
+        q[k] = float_to_e4m3_sat(4.0f * uni(rng_));
+      } else {
+        const float x = uni(rng_);
+        const uint16_t v = w_.act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
+        std::memcpy(&q[2 * k], &v, 2);
+      }
+    }
+    return q;
+  }
+
+  InvarianceWorld w_;
+  std::mt19937_64 rng_;
+  int target_blocks_ = 0, num_blocks_ = 0;
+  std::vector<int32_t> target_table_;
+  LatentCache cache_;
+  std::unique_ptr<DevBuf<uint8_t>> d_cache_;
+  std::vector<uint8_t> target_q_, pool_q_;
+};
+
+bool same_bits(const TargetResult& a, const TargetResult& b) {
+  return a.out == b.out && a.lse.size() == b.lse.size() &&
+         std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
+}
+
+// Batchmate mixes. On an H200 (132 SMs x 2 CTA slots of 16 rows) the counts straddle the
+// slot count (263 / 264 / 265 requests with the target) and the lengths straddle the
+// 256-key split minimum and the 512-key invariant split size; one long batchmate makes
+// the invariant grid wider than the target needs (empty splits, LSE -inf).
+const std::vector<Batchmates> kBatchmates = {
+    {1, 100, 1, 0},    {1, 3000, 4, 20000}, {2, 700, 2, 0},    {5, 3000, 3, 0},
+    {17, 255, 1, 0},   {40, 5000, 4, 8000}, {131, 600, 2, 0},  {262, 300, 1, 0},
+    {263, 300, 1, 0},  {264, 300, 1, 0},    {400, 1000, 1, 0}, {60, 513, 2, 0},
+};
+
+void check_batch_invariance(const InvarianceWorld& w, uint64_t seed, bool every_tiling,
+                            const std::vector<Batchmates>& batches = kBatchmates) {
+  InvarianceExperiment x(w, seed);
+  const TargetResult alone_inv = x.run({}, true, seed), alone_def = x.run({}, false, seed);
+  EXPECT_EQ(alone_inv.plan.rows_per_cta, w.heads <= 16 ? 16 : w.heads <= 32 ? 32 : 64);
+  int default_differs = 0;
+  std::vector<int> splits_seen, rows_seen;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const Batchmates& m = batches[i];
+    SCOPED_TRACE(::testing::Message() << "batchmates " << m.count << " (len <= " << m.max_len
+                                      << ", qlen <= " << m.max_qlen << ", long " << m.long_len
+                                      << ")");
+    const TargetResult inv = x.run(m, true, seed + 1 + i), def = x.run(m, false, seed + 1 + i);
+    EXPECT_TRUE(same_bits(inv, alone_inv))
+        << "batch-invariant output changed with the batch (grid splits " << inv.plan.num_splits
+        << " vs " << alone_inv.plan.num_splits << " alone)";
+    EXPECT_EQ(inv.plan.rows_per_cta, alone_inv.plan.rows_per_cta);
+    default_differs += !same_bits(def, alone_def);
+    splits_seen.push_back(def.plan.num_splits);
+    rows_seen.push_back(def.plan.rows_per_cta);
+  }
+  // The experiment can fail: the default mode's splits follow the batch, and so do its bits.
+  EXPECT_GT(default_differs, 0) << "the default mode never differed: the test sees nothing";
+  std::sort(splits_seen.begin(), splits_seen.end());
+  splits_seen.erase(std::unique(splits_seen.begin(), splits_seen.end()), splits_seen.end());
+  EXPECT_GE(splits_seen.size(), 3u) << "the batches reached too few default split counts";
+  if (every_tiling) {
+    std::sort(rows_seen.begin(), rows_seen.end());
+    rows_seen.erase(std::unique(rows_seen.begin(), rows_seen.end()), rows_seen.end());
+    EXPECT_EQ(rows_seen, (std::vector<int>{16, 32, 64})) << "not every default row tile was used";
+  }
+}
+
+TEST(CudaDecodeInvariant, Bf16OneTokenTarget) {
+  KMLA_REQUIRE_GPU();
+  InvarianceWorld w;
+  check_batch_invariance(w, 21, true);
+}
+
+// Three causal query tokens of 12 heads: 36 rows in three 16-row tiles that straddle tokens,
+// each tile with its own key range; fp8_ds_mla goes through the raw-tile conversion.
+TEST(CudaDecodeInvariant, DsMlaMultiTokenTarget) {
+  KMLA_REQUIRE_GPU();
+  InvarianceWorld w;
+  w.format = CacheFormat::fp8_ds_mla;
+  w.heads = 12;
+  w.block_size = 16;
+  w.target_seq = 2100;
+  w.target_qlen = 3;
+  check_batch_invariance(w, 22, false);
+}
+
+// Plain fp8 cache with fp8 queries, a long target (many invariant splits: the combine's
+// lanes and the 64-row tile of 128 heads' tiling).
+TEST(CudaDecodeInvariant, Fp8LongTarget128Heads) {
+  KMLA_REQUIRE_GPU();
+  InvarianceWorld w;
+  w.format = CacheFormat::fp8;
+  w.q_fp8 = true;
+  w.heads = 128;
+  w.block_size = 256;
+  w.target_seq = 9000;
+  w.pool_blocks = 8;
+  // Fewer and smaller batches: 128 heads make every row's workspace 128 x larger. 66
+  // requests of two 64-row tiles fill 132 SMs of one 64-row CTA each.
+  check_batch_invariance(w, 23, false,
+                         {{1, 100, 1, 0}, {1, 3000, 2, 20000}, {5, 3000, 2, 0},
+                          {64, 300, 1, 0}, {65, 300, 1, 0}, {66, 300, 1, 0}, {20, 600, 2, 0}});
+}
+
+// Invariant mode is still exact: the reference comparisons of run_case, including plans
+// whose grid has fewer splits than a request's length asks for (the fallback spreads its
+// keys over the grid) and far more (empty splits), and forced row tiles.
+TEST(CudaDecodeInvariant, MatchesReference) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.batch_invariant = true;
+  c.heads = 4;
+  c.block_size = 256;
+  c.seq_lens = {1, 63, 0, 257, 4097, 40000, 100000};
+  c.query_lens = {1, 2, 0, 1, 3, 1, 1};
+  c.seed = 31;
+  run_case(c, {{0, 0}, {1, 0}, {3, 0}, {1024, 0}, {0, 64}});
+  c.format = CacheFormat::fp8_ds_mla;
+  c.act = DType::f16;
+  c.heads = 16;
+  c.block_size = 64;
+  c.seq_lens = {65, 1, 0, 1000, 3000};
+  c.query_lens = {1, 4, 0, 2, 2};
+  c.seed = 32;
+  run_case(c, {{0, 0}, {2, 0}, {0, 32}});
+  c.format = CacheFormat::fp8;
+  c.act = DType::bf16;
+  c.q_fp8 = true;
+  c.q_scale = 0.5f;
+  c.k_scale = 2.0f;
+  c.causal = false;
+  c.seed = 33;
+  run_case(c, {{0, 0}});
+}
+
+TEST(CudaDecodeInvariant, PlanDependsOnHeadsAndLengthOnly) {
+  KMLA_REQUIRE_GPU();
+  // Row tile from the heads alone; the grid splits cover the longest sequence in 512-key
+  // parts (capped at 1024); the workspace exists even for one split (the combine runs).
+  const DecodePlan one = plan_decode(3, 16, 4, 100, false, true);
+  EXPECT_TRUE(one.batch_invariant);
+  EXPECT_EQ(one.rows_per_cta, 16);
+  EXPECT_EQ(one.num_splits, 1);
+  EXPECT_GE(one.workspace_bytes, size_t(3) * 4 * 16 * 513 * sizeof(float));
+  EXPECT_EQ(plan_decode(300, 16, 1, 4096, false, true).num_splits, 8);
+  EXPECT_EQ(plan_decode(1, 16, 1, 4096, false, true).num_splits, 8);
+  EXPECT_EQ(plan_decode(1, 16, 1, 4097, false, true).num_splits, 9);
+  EXPECT_EQ(plan_decode(1, 12, 1, int64_t(1) << 20, false, true).num_splits, 1024);
+  EXPECT_EQ(plan_decode(1, 12, 1, int64_t(1) << 24, false, true).num_splits, 1024);
+  EXPECT_EQ(plan_decode(2, 128, 2, 100, false, true).rows_per_cta, 64);
+  EXPECT_EQ(plan_decode(2, 20, 1, 100, false, true).rows_per_cta, 32);
 }
 
 }  // namespace

@@ -3,8 +3,9 @@
 // lengths, several sequences per call (some empty), more keys than queries and fewer, shared
 // and per-head k_rope, and the layer's strided operands. Outputs are poisoned before each
 // call so every unwritten element and every write outside the sequences is caught. Every case
-// runs both tilings (64 and 128 query rows per CTA, through prefill_attention_rows) and then
-// the public entry point (whatever tiling its heuristic or KMLA_PREFILL_ROWS picks).
+// runs both tilings of the mma.sync kernel (64 and 128 query rows per CTA, through
+// prefill_attention_rows), the public entry point (whatever kernel and tiling it picks) and,
+// on sm_90 GPUs, the wgmma kernel (prefill_attention_sm90).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -89,6 +90,30 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
                   const std::vector<float>& lse, const std::vector<float>& ref,
                   const std::vector<float>& ref_mag, const std::vector<float>& ref_lse,
                   int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride);
+
+// The wgmma kernel's variants that run_case runs (variant -1 .. -5): -1 the defaults, -2 in
+// order with round 1's CTA order, -3 ping-pong with head groups of 3 (a partial last group
+// for most head counts), -4 ping-pong without the early rescale in groups of 1 (heads-major
+// order), -5 round 1's overlapped kernel (no ping-pong, late rescale, head after head).
+cuda::Sm90Options sm90_variant(int variant) {
+  cuda::Sm90Options o;  // -1: the defaults
+  if (variant == -2) {
+    o.overlap = false;
+    o.head_group = 0;
+  } else if (variant == -3) {
+    o.pingpong = true;
+    o.head_group = 3;
+  } else if (variant == -4) {
+    o.pingpong = true;
+    o.early_rescale = false;
+    o.head_group = 1;
+  } else if (variant == -5) {
+    o.pingpong = false;
+    o.early_rescale = false;
+    o.head_group = 0;
+  }
+  return o;
+}
 
 void run_case(const Case& c) {
   SCOPED_TRACE(describe(c));
@@ -209,14 +234,26 @@ void run_case(const Case& c) {
   p.causal = c.causal;
   p.softmax_scale = scale;
   p.act = c.act;
-  // rows_per_cta 0: the public prefill_attention (its own choice of tiling).
-  for (int rows_per_cta : {64, 128, 0}) {
+  // rows_per_cta 64 / 128: the mma.sync kernel's tilings; 0: the public prefill_attention
+  // (its own choice of kernel and tiling); -1..-5: the wgmma kernel's variants (sm90_variant;
+  // sm_90 GPUs only).
+  const bool sm90 = cuda::prefill_sm90_supported(p);
+  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5}) {
+    if (rows_per_cta < 0 && !sm90) continue;
+    const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
-                                   : "rows_per_cta " + std::to_string(rows_per_cta));
+                 : rows_per_cta < 0
+                     ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) +
+                           " pingpong " + std::to_string(opt.pingpong) + " early_rescale " +
+                           std::to_string(opt.early_rescale) + " head_group " +
+                           std::to_string(opt.head_group)
+                     : "rows_per_cta " + std::to_string(rows_per_cta));
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);
     if (rows_per_cta == 0)
       cuda::prefill_attention(p, nullptr);
+    else if (rows_per_cta < 0)
+      cuda::prefill_attention_sm90(p, nullptr, opt);
     else
       cuda::prefill_attention_rows(p, rows_per_cta, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -297,7 +334,7 @@ TEST(CudaPrefill, SingleSequenceLengths) {
   uint64_t seed = 100;
   for (DType act : {DType::bf16, DType::f16})
     for (bool causal : {true, false})
-      for (int len : {1, 63, 64, 65, 200}) {
+      for (int len : {1, 63, 64, 65, 127, 128, 129, 200}) {
         Case c;
         c.act = act;
         c.causal = causal;
@@ -393,13 +430,55 @@ TEST(CudaPrefill, LongerSequence) {
   run_case(c);
 }
 
-// The public entry point's tiling (printed so that a benchmark log says which one ran).
+TEST(CudaPrefill, LongCausalSequences) {
+  KMLA_REQUIRE_GPU();
+  // Many 128-key stages of the wgmma kernel's ring (each reused 4+ times), query blocks whose
+  // two warpgroups stop at different tiles, and a context chunk in front (m > n).
+  Case c;
+  c.heads = 2;
+  c.q_lens = {1000, 130};
+  c.k_lens = {1000, 1100};
+  c.shared_rope = false;
+  c.seed = 60;
+  run_case(c);
+}
+
+TEST(CudaPrefill, ManyShortSequences) {
+  KMLA_REQUIRE_GPU();
+  // A varlen batch of 24 sequences of 1..300 queries (1..3 query blocks, so most CTAs of the
+  // grid's longest-first order exit at once), some with context in front, at 5 and 11 heads:
+  // the wgmma kernel's head groups of 8 and 3 then end in partial groups, and its two
+  // consumers take turns over 0..3 tiles with every difference in their tile counts.
+  uint64_t seed = 70;
+  for (int heads : {5, 11})
+    for (bool causal : {true, false}) {
+      Random rng(++seed);
+      Case c;
+      c.causal = causal;
+      c.heads = heads;
+      for (int s = 0; s < 24; ++s) {
+        const int n = 1 + int(rng.below(300));
+        c.q_lens.push_back(n);
+        c.k_lens.push_back(n + (s % 3 == 0 ? int(rng.below(200)) : 0));
+      }
+      c.shared_rope = heads == 11;
+      c.seed = ++seed;
+      run_case(c);
+    }
+}
+
+// The public entry point's kernel and tiling (printed so that a benchmark log says which ran).
 TEST(CudaPrefill, TilingChoice) {
   KMLA_REQUIRE_GPU();
   cuda::PrefillParams p;
   const int rows = cuda::prefill_rows_per_cta(p);
-  std::printf("prefill_attention uses %d query rows per CTA on this GPU\n", rows);
+  if (cuda::prefill_uses_sm90(p))
+    std::printf("prefill_attention uses the wgmma kernel (sm90, 128 query rows per CTA)\n");
+  else
+    std::printf("prefill_attention uses the mma.sync kernel, %d query rows per CTA\n", rows);
   EXPECT_TRUE(rows == 64 || rows == 128) << rows;
+  p.portable = true;
+  EXPECT_FALSE(cuda::prefill_uses_sm90(p)) << "portable must keep the mma.sync kernel";
 }
 
 // Host-side validation happens before any CUDA call, so this runs without a GPU too.

@@ -11,12 +11,14 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "kmla/cache.hpp"
 #include "kmla/checkpoint.hpp"
 #include "kmla/config.hpp"
+#include "kmla/dist.hpp"
 #include "kmla/engine.hpp"
 #include "kmla/error.hpp"
 #include "kmla/hf_config.hpp"
@@ -107,6 +109,19 @@ int run_info(const ModelArgs& a, int64_t batch, int64_t context, int block_size,
   }
   // The context workspace holds gathered rows as 576 activations (bf16) per token.
   j["context_workspace_bytes"] = workspace * int64_t(kmla::kLatentDim) * 2;
+  // What one GPU of the tensor-parallel group holds: its heads' weights (the latent
+  // projections replicated) and the whole latent cache (every rank keeps all of it).
+  json per_gpu = {{"gpus", c.tp_size}, {"heads", c.local_heads()}, {"weight_bytes_per_layer", weight_bytes(c)}};
+  int64_t group_weights = 0;
+  for (int r = 0; r < c.tp_size; ++r) {
+    MlaConfig full = c;
+    full.tp_rank = 0, full.tp_size = 1;
+    group_weights += weight_bytes(c.tp_size > 1 ? full.tp_slice(r, c.tp_size) : full);
+  }
+  per_gpu["group_weight_bytes_per_layer"] = group_weights;
+  for (CacheFormat f : kFormats)
+    per_gpu["cache_bytes_per_layer"][kmla::cache_format_name(f)] = j["cache"][kmla::cache_format_name(f)]["bytes_per_layer"];
+  j["per_gpu"] = per_gpu;
   if (as_json) {
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -139,6 +154,11 @@ int run_info(const ModelArgs& a, int64_t batch, int64_t context, int block_size,
                 j["cache"][kmla::cache_format_name(f)]["bytes_per_layer"].get<int64_t>() / 1048576.0);
   std::printf("context workspace    %lld tokens, %.2f MiB\n", (long long)workspace,
               j["context_workspace_bytes"].get<int64_t>() / 1048576.0);
+  std::printf("per GPU (tp %d)       %d heads, weights %.2f MiB/layer, cache %.2f MiB/layer bf16 (replicated on every rank)\n",
+              c.tp_size, c.local_heads(), weight_bytes(c) / 1048576.0,
+              j["cache"]["bf16"]["bytes_per_layer"].get<int64_t>() / 1048576.0);
+  std::printf("whole group          %d GPUs, weights %.2f MiB/layer in all\n", c.tp_size,
+              group_weights / 1048576.0);
   return 0;
 }
 
@@ -237,6 +257,8 @@ struct RunArgs {
   bool no_prefix_caching = false;
   bool json = false;
   bool quiet = false;
+  int rank = -1;              // >= 0: serve only this rank's slice, in this process
+  double timeout_s = 0;       // --tp N: the whole multi-process run (0: none)
   eng::EngineOptions engine;  // layers, block size, budgets, seed, threads, checks
   eng::TraceOptions workload;
 };
@@ -247,9 +269,15 @@ void add_run_args(CLI::App* app, RunArgs& a) {
   app->add_option("--model", a.model, "model preset")
       ->check(CLI::IsMember(MlaConfig::preset_names()))
       ->capture_default_str();
-  app->add_option("--tp", a.tp, "tensor-parallel world size; the run serves rank 0's slice")
+  app->add_option("--tp", a.tp,
+                  "tensor-parallel world size; with --cuda and no --rank, one process per GPU "
+                  "through NCCL, else one rank's slice here")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--rank", a.rank, "serve only this rank's slice in this process (its partial o_proj sum)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--timeout", a.timeout_s, "--tp N: stop every rank after this many seconds (0: never)")
+      ->check(CLI::NonNegativeNumber);
   app->add_option("--layers", e.num_layers, "MLA layers in the stack")
       ->check(CLI::Range(1, 128))
       ->capture_default_str();
@@ -337,7 +365,7 @@ int run_serve(RunArgs a) {
   }
 #endif
   e.config = MlaConfig::preset(a.model);
-  if (a.tp > 1) e.config = e.config.tp_slice(0, a.tp);
+  if (a.tp > 1 || a.rank > 0) e.config = e.config.tp_slice(std::max(a.rank, 0), a.tp);
   e.config.validate();
   e.cache_format = kmla::parse_cache_format(a.cache_format);
   e.prefix_caching = !a.no_prefix_caching;
@@ -398,6 +426,216 @@ int run_serve(RunArgs a) {
   if (!check_pass) std::fprintf(stderr, "kmla run: the correctness check FAILED\n");
   return r.all_finished && check_pass ? 0 : 1;
 }
+
+// ---- several GPUs: one process per rank ------------------------------------------------------
+#ifdef KMLA_HAVE_CUDA
+namespace dist = kmla::dist;
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KMLA_CHECK(f.good(), "cannot read ", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  dist::write_file_atomic(path, text.data(), text.size());
+}
+
+// Checks what a launch of `world` ranks needs, in the parent and without touching CUDA.
+// Returns false (after saying so) without enough GPUs: the caller exits kExitNoGpu.
+// `what` is the command and flag, e.g. "bench --cp".
+bool ranks_possible(const char* what, int world) {
+  KMLA_CHECK(dist::nccl_built(), what, " ", world, " starts ", world,
+             " processes joined through NCCL, but this build has no NCCL");
+  const int gpus = dist::count_gpus_in_child();
+  if (gpus == 0) {
+    std::fprintf(stderr, "kmla: %s %d: no CUDA GPU is present (skipped)\n", what, world);
+    return false;
+  }
+  // Too few GPUs is an error, with the "no GPU" status so that CTest skips such a test.
+  if (world > gpus) {
+    std::fprintf(stderr, "kmla: error: %s %d needs %d GPUs (one process each), %d visible\n", what, world,
+                 world, gpus);
+    return false;
+  }
+  return true;
+}
+
+// A failed launch: which rank, why, and the end of its output.
+int report_launch_failure(const char* what, const dist::LaunchResult& lr) {
+  std::fprintf(stderr, "kmla %s: error: %s\n", what, lr.error.c_str());
+  const std::string& out = lr.ranks[size_t(lr.failed_rank)].output;
+  size_t from = out.size(), lines = 0;
+  while (from > 0 && lines < 15) {
+    from = out.rfind('\n', from - 1);
+    if (from == std::string::npos) {
+      from = 0;
+      break;
+    }
+    ++lines;
+  }
+  if (!out.empty())
+    std::fprintf(stderr, "--- the end of rank %d's output ---\n%s\n", lr.failed_rank, out.substr(from).c_str());
+  return 1;
+}
+
+// kmla run --cuda --tp N: N processes, rank r on GPU r with its head slice of the same seeded
+// weights; every layer ends in the NCCL all-reduce, so every rank computes the whole layer's
+// outputs and rank 0's are checked against the unsharded oracle.
+int run_serve_ranks(RunArgs a) {
+  if (!ranks_possible("run --tp", a.tp)) return kExitNoGpu;
+  const MlaConfig full = MlaConfig::preset(a.model);
+  full.tp_slice(0, a.tp).validate();
+  const kmla::CacheFormat format = kmla::parse_cache_format(a.cache_format);
+  a.workload.seed = a.engine.seed;
+  const eng::Trace trace = a.trace.empty() ? eng::default_trace(scaled_workload(a.workload))
+                                           : eng::load_trace_jsonl(a.trace, a.workload.vocab_size, a.engine.seed);
+  const std::string dir = dist::make_private_dir("run");
+  if (!a.quiet)
+    std::fprintf(stderr, "kmla run: %d ranks, one process per GPU, NCCL all-reduce after every layer\n", a.tp);
+  dist::LaunchOptions lo;
+  lo.timeout_s = a.timeout_s;
+  const dist::LaunchResult lr = dist::launch(a.tp, [&](int rank) -> int {
+    dist::select_device(rank);
+    const dist::UniqueId id = dist::exchange_unique_id(dir + "/nccl-id", rank, 300);
+    dist::Communicator comm(rank, a.tp, id, 300);
+    eng::EngineOptions e = a.engine;
+    e.config = full.tp_slice(rank, a.tp);
+    e.cache_format = format;
+    e.prefix_caching = !a.no_prefix_caching;
+    e.all_reduce = comm.layer_all_reduce();
+    e.agree_clock = [&comm](double now_s) { return comm.max_across_ranks(now_s, 300); };
+    if (rank != 0) e.check_requests = 0;  // rank 0's outputs are every rank's
+    eng::Engine engine(e);
+    const eng::RunResult r = engine.run(trace);
+    comm.check(nullptr, 120);
+    int64_t steps = int64_t(r.steps.size());
+    const bool check_pass = std::all_of(r.checks.begin(), r.checks.end(), [](const eng::CheckResult& c) { return c.pass; });
+    const json j = {{"rank", rank},
+                    {"device", kmla::cuda::device_info().name},
+                    {"heads", e.config.local_heads()},
+                    {"wall_s", r.wall_s},
+                    {"steps", steps},
+                    {"generated_tokens", r.generated_tokens},
+                    {"tokens_computed", r.prefill_tokens_computed + r.decode_tokens_computed},
+                    {"all_finished", r.all_finished},
+                    {"checks", int(r.checks.size())},
+                    {"checks_pass", check_pass}};
+    if (rank == 0) {
+      write_text(dir + "/summary", a.json ? eng::to_json(r) : eng::summary_text(r));
+      if (!a.report.empty()) write_text(a.report, eng::html_report(r));
+    }
+    write_text(dir + "/rank" + std::to_string(rank) + ".json", j.dump());
+    return 0;
+  }, lo);
+  if (!lr.ok()) {
+    dist::remove_private_dir(dir);
+    return report_launch_failure("run", lr);
+  }
+  std::vector<json> ranks;
+  for (int r = 0; r < a.tp; ++r) ranks.push_back(json::parse(read_text(dir + "/rank" + std::to_string(r) + ".json")));
+  const std::string summary = read_text(dir + "/summary");
+  dist::remove_private_dir(dir);
+  double wall = 0;
+  for (const json& r : ranks) wall = std::max(wall, r["wall_s"].get<double>());
+  const json& r0 = ranks[0];
+  const bool ok = r0["all_finished"].get<bool>() && r0["checks_pass"].get<bool>();
+  if (a.json) {
+    json doc = {{"tp", a.tp}, {"ranks", ranks}, {"wall_s_max", wall}, {"rank0", json::parse(summary)}};
+    std::cout << doc.dump(2) << "\n";
+  } else {
+    std::cout << summary;
+    std::printf("\ntensor parallel: %d ranks (one process per GPU)\n", a.tp);
+    std::printf("%4s  %-24s %5s %9s %7s %12s  %s\n", "rank", "device", "heads", "wall s", "steps", "gen tok/s", "check");
+    for (const json& r : ranks) {
+      const double w = r["wall_s"].get<double>();
+      std::string check = r["checks"].get<int>() == 0 ? "-" : r["checks_pass"].get<bool>() ? "PASS" : "FAIL";
+      std::printf("%4d  %-24s %5d %9.2f %7lld %12.1f  %s\n", r["rank"].get<int>(),
+                  r["device"].get<std::string>().c_str(), r["heads"].get<int>(), w,
+                  (long long)r["steps"].get<int64_t>(), w > 0 ? r["generated_tokens"].get<int64_t>() / w : 0.0,
+                  check.c_str());
+    }
+    std::printf("total: %d GPUs, slowest rank %.2f s, %.1f generated tokens/s for the group\n", a.tp, wall,
+                wall > 0 ? r0["generated_tokens"].get<int64_t>() / wall : 0.0);
+  }
+  std::cout.flush();
+  if (!ok) std::fprintf(stderr, "kmla run: %s\n", r0["all_finished"].get<bool>() ? "the correctness check FAILED" : "not every request finished");
+  return ok ? 0 : 1;
+}
+
+// kmla bench --tp N: the K3 layer cases on N processes, each timing its rank with the
+// all-reduce inside the graphed step. --cp N: long-context decode with each rank holding 1/N of
+// the keys, the all-gather and LSE merge inside each timed run. Per-rank times and their
+// maximum (the step takes as long as its slowest rank).
+int run_bench_ranks(kmla::bench::BenchOptions bo, int world, bool context_parallel) {
+  if (!ranks_possible(context_parallel ? "bench --cp" : "bench --tp", world)) return kExitNoGpu;
+  const std::string dir = dist::make_private_dir("bench");
+  const dist::LaunchResult lr = dist::launch(world, [&](int rank) -> int {
+    dist::select_device(rank);
+    const dist::UniqueId id = dist::exchange_unique_id(dir + "/nccl-id", rank, 300);
+    dist::Communicator comm(rank, world, id, 300);
+    kmla::bench::BenchOptions b = bo;
+    if (context_parallel) {
+      b.cp = world;
+      b.cp_rank = rank;
+      b.comm = &comm;
+    } else {
+      b.tp = world;
+      b.tp_rank = rank;
+      b.all_reduce = comm.layer_all_reduce();
+    }
+    b.json = true;
+    std::ostringstream os;
+    const int rc = kmla::bench::run_bench(b, os);
+    comm.check(nullptr, 120);
+    write_text(dir + "/rank" + std::to_string(rank) + ".json", os.str());
+    return rc;
+  });
+  if (!lr.ok()) {
+    dist::remove_private_dir(dir);
+    return report_launch_failure("bench", lr);
+  }
+  std::vector<json> docs;
+  for (int r = 0; r < world; ++r) docs.push_back(json::parse(read_text(dir + "/rank" + std::to_string(r) + ".json")));
+  dist::remove_private_dir(dir);
+  json cases = json::array();
+  const json& first = docs[0]["cases"];
+  for (size_t k = 0; k < first.size(); ++k) {
+    json us = json::array();
+    double mx = 0;
+    for (const json& d : docs) {
+      const double u = d["cases"][k].value("us", 0.0);
+      us.push_back(u);
+      mx = std::max(mx, u);
+    }
+    cases.push_back({{"name", first[k]["name"]}, {context_parallel ? "cp" : "tp", world}, {"us_per_rank", us}, {"us", mx},
+                     {"heads", first[k]["heads"]}});
+  }
+  if (bo.json) {
+    std::cout << json({{context_parallel ? "cp" : "tp", world}, {"device", docs[0]["device"]}, {"cases", cases},
+                       {"ranks", docs}}).dump(2)
+              << "\n";
+    return 0;
+  }
+  std::printf("kmla bench --%s %d: %s x %d, one process per GPU, %s inside each timed run;\n"
+              "median of %d runs per rank; the step takes as long as its slowest rank\n",
+              context_parallel ? "cp" : "tp", world, docs[0]["device"].get<std::string>().c_str(), world,
+              context_parallel ? "the NCCL all-gather and LSE merge" : "the NCCL all-reduce", bo.iters);
+  std::printf("%-56s %10s  %s\n", "case", "max us", "per rank us");
+  for (const json& c : cases) {
+    std::string per;
+    for (const json& u : c["us_per_rank"]) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%s%.1f", per.empty() ? "" : " ", u.get<double>());
+      per += b;
+    }
+    std::printf("%-56s %10.1f  %s\n", c["name"].get<std::string>().c_str(), c["us"].get<double>(), per.c_str());
+  }
+  return 0;
+}
+#endif
 
 }  // namespace
 
@@ -466,6 +704,16 @@ int main(int argc, char** argv) {
   bench->add_flag("--non-causal", bench_non_causal, "non-causal multi-token decode / prefill");
   bench->add_option("--model", bo.model, "model preset of the layer cases")->check(CLI::IsMember(MlaConfig::preset_names()));
   bench->add_flag("--portable", bo.portable, "force the portable sm_80 kernels");
+  int bench_tp = 0, bench_cp = 0;
+  bench->add_option("--tp", bench_tp,
+                    "the K3 layer cases at this tensor-parallel world, one process per GPU through NCCL "
+                    "(1: the unsharded layer here)")
+      ->check(CLI::PositiveNumber);
+  bench->add_option("--cp", bench_cp,
+                    "long-context K3 decode split along the tokens over this many GPUs, merged through "
+                    "NCCL (1: one GPU, no merge)")
+      ->check(CLI::PositiveNumber)
+      ->excludes("--tp");
 #endif
 
   RunArgs run_args;
@@ -480,9 +728,21 @@ int main(int argc, char** argv) {
   try {
     if (*info) return run_info(info_model, batch, context, block_size, workspace, info_json);
     if (*inspect) return run_inspect(ck_dir, inspect_json);
+    // Several ranks: fork them before this process touches CUDA (run_serve would).
+    if (*run && run_args.engine.cuda && run_args.tp > 1 && run_args.rank < 0) {
+#ifdef KMLA_HAVE_CUDA
+      return run_serve_ranks(run_args);
+#endif
+    }
     if (*run) return run_serve(run_args);
 #ifdef KMLA_HAVE_CUDA
+    if (*bench && (bench_tp > 1 || bench_cp > 1)) {
+      bo.causal = !bench_non_causal;
+      return run_bench_ranks(bo, std::max(bench_tp, bench_cp), bench_cp > 1);
+    }
     if (*bench) {
+      bo.tp = bench_tp;
+      bo.cp = bench_cp;
       if (!kmla::cuda::available()) {
         std::fprintf(stderr, "kmla: bench needs a CUDA GPU (skipped)\n");
         return kExitNoGpu;

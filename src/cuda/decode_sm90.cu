@@ -1,0 +1,525 @@
+// Absorbed-MQA decode on Hopper with warpgroup MMA (wgmma), for requests with at least 64
+// (token, head) query rows: 64 or 128 heads, or fewer heads times several query tokens. With
+// that many rows per key the work is compute bound (a 64-row tile does 64 x 2 x (576 + 512)
+// flops per 1152-byte key: ~121 flops per byte), and the mma.sync kernel's ldmatrix traffic
+// and register-fed MMAs cap it far below the tensor cores' rate.
+//
+// Same contract and numerics as decode_splitkv_kernel in decode_attention.cu (see there and
+// docs/SEMANTICS.md rule 6): S = Q K^T in fp32, online softmax in base 2 with the score scale
+// folded in, P rounded to T for P V (the row sum from the unrounded p), the output rounded
+// once; with several KV splits each split writes its normalised fp32 partial and its LSE in
+// the layout the shared combine kernel reads. Only 16-bit caches (of the activation type)
+// come here. Design, budgets and the expected speed: docs/decode_sm90.md, last section.
+//
+// Only the sm_90a compile of this file holds the kernel; the sm_80 compile of the same source
+// gets a body that traps (the host never launches it anywhere but on sm_90 with sm_90a code).
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cuda/decode_sm90.cuh"
+#include "cuda/sm90.cuh"
+
+namespace kmla::cuda {
+
+namespace {
+
+using namespace sm90;
+
+constexpr int kRows = kDecodeSm90Rows;  // query rows per CTA (one consumer M of 64)
+constexpr int kKeys = 64;               // keys per tile
+constexpr int kThreads = 256;           // two warpgroups
+constexpr int kRowBytes = kLatentDim * 2;               // 1152: one 576-wide row in T
+[[maybe_unused]] constexpr int kRowChunks = kRowBytes / 16;              // 72 chunks of 16 bytes
+constexpr int kPanels = kLatentDim / kPanelElems;       // 9 panels of 64 columns
+constexpr int kPanelBytes = 64 * kPanelRowBytes;        // 8192: 64 rows (or keys) x 128 B
+constexpr int kTileBytes = kPanels * kPanelBytes;       // 73,728: Q, or one K tile
+[[maybe_unused]] constexpr int kHalfKeys = kKeys / 2;                    // S columns per warpgroup
+[[maybe_unused]] constexpr int kHalfCols = kKvLoraRank / 2;              // O columns per warpgroup
+[[maybe_unused]] constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+[[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kRows == 64 && kKeys == 64 && kLatentDim == 576 && kKvLoraRank == 512,
+              "the tile shapes below are written for 64 rows x 64 keys of MLA's 576 / 512");
+
+// ---- shared memory (dynamic, from a 1024-byte-aligned base) --------------------------
+//   Q          [0, 73,728)         9 panels x 64 rows (rows past the request: zeros)
+//   K stage 0  [73,728, 147,456)   9 panels x 64 keys; V = its first 8 panels
+//   K stage 1  [147,456, 221,184)
+//   P          [221,184, 229,376)  1 panel: 64 rows x 64 keys in T (the PV A operand)
+//   red_max    [229,376, 229,888)  [2 warpgroups][64 rows] fp32 tile maxima of S halves
+//   red_sum    [229,888, 230,400)  [2][64] fp32 row sums at the end
+//   key_ok     [230,400, 230,528)  [2 stages][64 keys] u8: key loaded (in split, good block)
+// total 230,528 B + 1,024 alignment slack = 231,552 <= 232,448 (227 KB opt-in per block).
+[[maybe_unused]] constexpr int kQOff = 0;
+constexpr int kKOff = kTileBytes;
+constexpr int kPOff = kKOff + 2 * kTileBytes;
+constexpr int kRedMaxOff = kPOff + kPanelBytes;
+constexpr int kRedSumOff = kRedMaxOff + 2 * kRows * 4;
+constexpr int kKeyOkOff = kRedSumOff + 2 * kRows * 4;
+constexpr int kSmemBytes = kKeyOkOff + 2 * kKeys;
+constexpr int kSmemAlloc = kSmemBytes + 1024;
+static_assert(kSmemBytes == 230528 && kSmemAlloc <= 227 * 1024, "fits the sm_90 opt-in");
+static_assert(kPOff % 1024 == 0 && kKOff % 1024 == 0, "panels are swizzle-atom aligned");
+constexpr int kProbeSmemAlloc = 2 * kTileBytes + kPanelBytes + 1024;
+
+// Byte offset of 16-byte chunk c (0..71) of row `row` in a [64][576] T tile of 9 panels.
+[[maybe_unused]] __host__ __device__ constexpr uint32_t tile_offset(int row, int c) {
+  return uint32_t((c >> 3) * kPanelBytes) + swizzle128(row, c & 7);
+}
+
+#if KMLA_SM90A
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T a = from_float<T>(lo), b = from_float<T>(hi);
+  return uint32_t(reinterpret_cast<const uint16_t&>(a)) |
+         (uint32_t(reinterpret_cast<const uint16_t&>(b)) << 16);
+}
+
+// S half of warpgroup wg: s (64 rows x keys [32 wg, 32 wg + 32) of the tile at kt) = Q K^T,
+// 36 k-steps of 16 over the 9 panels; both operands K-major. Issued and committed, not
+// waited for. The B start moves by 32 keys x 128 B = 4096 B (4 swizzle atoms).
+template <class T>
+__device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_s, uint32_t kt, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * kPanelBytes + (kk & 3) * 32;
+    wgmma_ss_m64n32k16<T, false>(s, desc_k_major(q_s + off),
+                                 desc_k_major(kt + wg * kHalfKeys * kPanelRowBytes + off),
+                                 kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O half of warpgroup wg: o (64 rows x columns [256 wg, 256 wg + 256)) += P V, 4 k-steps of
+// 16 keys. P (A) is K-major in its one panel (+32 B per step); V (B) is the tile's panels
+// 4 wg .. 4 wg + 3 read MN-major: panels 8192 B apart, 8-key groups 1024 B apart, a step of
+// 16 keys = 2048 B.
+template <class T>
+__device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t kt, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    wgmma_ss_m64n256k16<T, true>(
+        o, desc_k_major(p_s + kk * 32),
+        desc_mn_major(kt + 4 * wg * kPanelBytes + kk * 16 * kPanelRowBytes, kPanelBytes), true);
+  wgmma_commit();
+}
+
+// Stores this thread's p values (the accumulator layout of the warpgroup's S half) rounded to
+// T into the P panel: row 16 warp + g (+ 8), key 32 wg + 8 i + 2 t (+ 1) -> chunk 4 wg + i.
+// For a fixed i the 32 lanes write 8 rows x 4 words; the swizzle puts the 8 rows on 8
+// different chunk columns, so the 32 stores hit 32 different banks.
+template <class T>
+__device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int wg, int warp,
+                                        int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + g + 8 * h;
+      *reinterpret_cast<uint32_t*>(p_s + swizzle128(row, 4 * wg + i) + 4 * t) =
+          pack2<T>(p[4 * i + 2 * h], p[4 * i + 2 * h + 1]);
+    }
+  }
+}
+
+#endif  // KMLA_SM90A
+
+// ---- the kernel ---------------------------------------------------------------------
+// Grid (as the mma.sync kernel's for 64-row tiles): x = 64-row tile of the request's
+// (token * heads + head) rows, y = KV split, z = request. One CTA per SM (smem above).
+//
+// Warpgroups wg = 0, 1 both load (cp.async) and both compute; they share the 64 rows:
+//   S:  warpgroup wg computes the scores of all 64 rows against keys [32 wg, 32 wg + 32) of
+//       the tile (36 wgmma m64n32k16, Q and K from shared memory);
+//   softmax: each warpgroup's row maxima over its 32 keys meet in red_max, so both hold the
+//       same running max m (hence the same rescale factor) for a row; each keeps the partial
+//       row sum l of its own keys, added at the end;
+//   P:  each warpgroup writes its 64 x 32 half of P (rounded to T) into the P panel;
+//   PV: warpgroup wg accumulates output columns [256 wg, 256 wg + 256) over all 64 keys
+//       (4 wgmma m64n256k16, P and V from shared memory).
+// Per tile t (keys key0 + 64 t ..), two stages:
+//   wait for my copies of tile t (and Q); proxy fence; __syncthreads    # t in; t-1 consumed
+//   issue the copies of tile t + 1 into the other stage (block ids read one tile ahead)
+//   S; wait; mask + tile max; bar(1); max, p, l; P -> smem; proxy fence; rescale O; bar(2)
+//   PV; wait
+// Registers per thread: O 128 fp32 + S 16 + softmax state and addresses (no launch-bound cap
+// below 255: 256 threads per SM).
+//
+// Copies: thread (key = tid / 4, part = tid % 4) copies chunks part, part + 4, ... (18 of
+// 16 B) of one key row per tile, after one block-table lookup; Q takes 18 chunks per thread
+// once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
+// flagged in key_ok, which masks it.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeArgs a) {
+#if KMLA_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  uint8_t* const smem = smem_raw + (base - raw_u32);
+  float* const red_max = reinterpret_cast<float*>(smem + kRedMaxOff);
+  float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);
+  uint8_t* const key_ok_s = smem + kKeyOkOff;
+
+  const int r = blockIdx.z, split = blockIdx.y;
+  const int row0 = blockIdx.x * kRows;
+  const int qlen = a.query_lens[r];
+  // Rows past plan.max_query_len are not computed (the grid covers max_rows per request).
+  const int nrows = min(qlen * a.heads, a.max_rows);
+  if (row0 >= nrows) return;  // uniform: padded slot, or past this request's rows
+  const int seq = a.seq_lens[r];
+  auto key_count = [&](int row) -> int {  // keys visible to local row `row`
+    if (row >= nrows) return 0;
+    const int token = row / a.heads;
+    return max(0, a.causal ? seq - (qlen - 1 - token) : seq);
+  };
+  // The tile's last valid row sees the most keys; num_splits parts of whole 64-key tiles.
+  const int kmax = key_count(min(nrows, row0 + kRows) - 1);
+  const int tiles_all = (kmax + kKeys - 1) / kKeys;
+  const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
+  const int key0 = split * tiles_per_split * kKeys;
+  const int key1 = min(kmax, key0 + tiles_per_split * kKeys);
+  const int ntiles = key1 > key0 ? (key1 - key0 + kKeys - 1) / kKeys : 0;
+  const int tid = threadIdx.x;
+  if (ntiles == 0 && !a.direct_out) {
+    // An empty split: the combine needs its LSE of -inf and then never reads its partial.
+    const int row = row0 + tid;
+    if (tid < kRows && row < nrows)
+      a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
+    return;
+  }
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  // ---- Q -> shared memory (rows past the request zero-filled) ----
+  const int64_t out_row0 = int64_t(a.query_start[r]) * a.heads + row0;
+  const uint32_t q_s = base + kQOff;
+  {
+    const uint8_t* q = static_cast<const uint8_t*>(a.q) + out_row0 * kRowBytes;
+    for (int i = tid; i < kRows * kRowChunks; i += kThreads) {
+      const int row = i / kRowChunks, c = i % kRowChunks;
+      const bool ok = row0 + row < nrows;
+      cp_async16(q_s + tile_offset(row, c), ok ? q + row * kRowBytes + c * 16 : a.q, ok);
+    }
+  }
+
+  // ---- key tile loader ----
+  const int my_key = tid >> 2, my_part = tid & 3;
+  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
+  auto fetch_block = [&](int tile) -> int {  // my key's block id in `tile`, read only if used
+    const int pos = key0 + tile * kKeys + my_key;
+    return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+  };
+  auto issue = [&](int tile, int block) {
+    const int stage = tile & 1;
+    const int pos = key0 + tile * kKeys + my_key;
+    bool ok = pos < key1;
+    const std::byte* src = a.cache_base;
+    if (ok) {
+      if (block < 0 || int64_t(block) >= a.num_blocks) {
+        ok = false;  // never read outside the cache; the key is masked and its row zeroed
+        if (my_part == 0) raise_error(a.error_flag, kErrBadBlockId);
+      } else {
+        src += int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * kRowBytes;
+      }
+    }
+    if (my_part == 0) key_ok_s[stage * kKeys + my_key] = ok;
+    const uint32_t dst = base + kKOff + stage * kTileBytes;
+#pragma unroll 2
+    for (int c = my_part; c < kRowChunks; c += 4)
+      cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
+  };
+
+  int next_block = fetch_block(0);
+  if (ntiles > 0) {
+    const int b = next_block;
+    next_block = fetch_block(1);
+    issue(0, b);
+  }
+  cp_async_commit();  // group: Q and tile 0
+
+  // ---- per-thread state: rows lo = 16 warp + g and hi = lo + 8 of the tile ----
+  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
+  const int count_lo = key_count(row0 + row_lo), count_hi = key_count(row0 + row_hi);
+  float m_lo = kNegInf, m_hi = kNegInf;  // running max of scaled scores (log2 domain)
+  float l_lo = 0.0f, l_hi = 0.0f;        // this warpgroup's partial row sums
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float s[16];
+  const uint32_t p_s = base + kPOff;
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
+    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
+    __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
+    if (tile + 1 < ntiles) {  // into the stage of tile - 1
+      const int b = next_block;
+      next_block = fetch_block(tile + 2);
+      issue(tile + 1, b);
+    }
+    cp_async_commit();
+    const int stage = tile & 1;
+    const uint32_t kt = base + kKOff + stage * kTileBytes;
+
+    // ---- S half ----
+    wgmma_fence();
+    issue_s<T>(s, q_s, kt, wg);
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // ---- online softmax (base 2); masked keys -inf ----
+    const int kpos = key0 + tile * kKeys + kHalfKeys * wg + 2 * t;  // my column 0's key
+    const uint8_t* ok = key_ok_s + stage * kKeys + kHalfKeys * wg + 2 * t;
+    float mx_lo = kNegInf, mx_hi = kNegInf;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * i + (e & 1);
+        const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
+        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
+      }
+      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
+    }
+    if (t == 0) {
+      red_max[wg * kRows + row_lo] = mx_lo;
+      red_max[wg * kRows + row_hi] = mx_hi;
+    }
+    named_barrier(1, kThreads);
+    // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
+    const float tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
+    const float tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
+    const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+    const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+    const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+    const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      s[4 * i] = fast_exp2(s[4 * i] - mref_lo);
+      s[4 * i + 1] = fast_exp2(s[4 * i + 1] - mref_lo);
+      s[4 * i + 2] = fast_exp2(s[4 * i + 2] - mref_hi);
+      s[4 * i + 3] = fast_exp2(s[4 * i + 3] - mref_hi);
+      sum_lo += s[4 * i] + s[4 * i + 1];
+      sum_hi += s[4 * i + 2] + s[4 * i + 3];
+    }
+    l_lo = l_lo * corr_lo + sum_lo;
+    l_hi = l_hi * corr_hi + sum_hi;
+    m_lo = mnew_lo;
+    m_hi = mnew_hi;
+    store_p<T>(smem + kPOff, s, wg, warp, g, t);
+    fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[4 * i] *= corr_lo;
+      o[4 * i + 1] *= corr_lo;
+      o[4 * i + 2] *= corr_hi;
+      o[4 * i + 3] *= corr_hi;
+    }
+    named_barrier(2, kThreads);  // both halves of P are in
+
+    // ---- O half += P V ----
+    wgmma_fence();
+    issue_pv<T>(o, p_s, kt, wg);
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+  cp_async_wait_all();
+
+  // ---- finish: row sums of both warpgroups, normalise, write ----
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
+  }
+  if (t == 0) {
+    red_sum[wg * kRows + row_lo] = l_lo;
+    red_sum[wg * kRows + row_hi] = l_hi;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = h ? row_hi : row_lo;
+    if (row0 + row >= nrows) continue;
+    const float m = h ? m_hi : m_lo;
+    const float l = red_sum[row] + red_sum[kRows + row];
+    const bool empty = m == kNegInf || !(l > 0.0f);
+    const float inv = empty ? 0.0f : a.v_scale / l;
+    const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
+    const int col0 = kHalfCols * wg + 2 * t;
+    if (a.direct_out) {
+      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        *reinterpret_cast<uint32_t*>(out + 8 * i) =
+            pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+      if (wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
+    } else {
+      const int64_t w = (int64_t(r) * a.max_rows + row0 + row) * a.num_splits + split;
+      if (!empty) {
+        float* out = a.ws_o + w * kKvLoraRank + col0;
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          *reinterpret_cast<float2*>(out + 8 * i) =
+              make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+      }
+      if (wg == 0 && t == 0) a.ws_lse[w] = lse;
+    }
+  }
+#else
+  (void)a;
+  __trap();  // never launched without sm_90a code (decode_sm90_supports checks the binary)
+#endif
+}
+
+// ---- building-block probe (decode_sm90_probe) -----------------------------------------
+// One CTA of 256 threads: q and k rows through the kernel's tile layout, S through issue_s,
+// P (rounded to T) through store_p, O through issue_pv; outputs in the accumulator mapping.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_probe_kernel(const T* q, const T* k, const float* p_in, float* s_out,
+                             float* o_out) {
+#if KMLA_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  uint8_t* const smem = smem_raw + (base - raw_u32);
+  const uint32_t q_s = base, kt = base + kTileBytes, p_s = base + 2 * kTileBytes;
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < kRows * kRowChunks; i += kThreads) {
+    const int row = i / kRowChunks, c = i % kRowChunks;
+    cp_async16(q_s + tile_offset(row, c), q + row * kLatentDim + c * 8, true);
+    cp_async16(kt + tile_offset(row, c), k + row * kLatentDim + c * 8, true);
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  fence_proxy_async();
+  __syncthreads();
+
+  float s[16];
+  wgmma_fence();
+  issue_s<T>(s, q_s, kt, wg);
+  wgmma_wait<0>();
+  fence_regs(s);
+  float p[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e >> 1), key = kHalfKeys * wg + 8 * i + 2 * t + (e & 1);
+      s_out[row * kKeys + key] = s[4 * i + e];
+      p[4 * i + e] = p_in[row * kKeys + key];
+    }
+  }
+  store_p<T>(smem + 2 * kTileBytes, p, wg, warp, g, t);
+  fence_proxy_async();
+  __syncthreads();
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  fence_regs(o);
+  wgmma_fence();
+  issue_pv<T>(o, p_s, kt, wg);
+  wgmma_wait<0>();
+  fence_regs(o);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e >> 1), col = kHalfCols * wg + 8 * i + 2 * t + (e & 1);
+      o_out[row * kKvLoraRank + col] = o[4 * i + e];
+    }
+  }
+#else
+  (void)q, (void)k, (void)p_in, (void)s_out, (void)o_out;
+  __trap();
+#endif
+}
+
+// Whether the wgmma kernel can run on `device`: an sm_90 GPU, and this binary holds sm_90a
+// code for it (a build without compute_90a would JIT the sm_80 body, which traps). Asked once
+// per device (attribute queries only: no sync).
+bool sm90_kernel_runs_on(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answer[kMaxDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+  if (device < 0 || device >= kMaxDevices) return false;
+  int known = answer[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0;
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    bool runs = major == 9;
+    if (runs) {
+      cudaFuncAttributes attr{};
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16>));
+      runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+    }
+    known = runs ? 2 : 1;
+    answer[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
+}
+
+}  // namespace
+
+bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
+  if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
+  if (int64_t(p.heads) * plan.max_query_len < kRows) return false;
+  const CacheFormat f = p.cache.format;
+  if (p.q_fp8 || !(f == CacheFormat::bf16 || f == CacheFormat::fp16)) return false;
+  int device = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  return sm90_kernel_runs_on(device);
+}
+
+void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
+  dispatch_act(act, [&]<class T>() {
+    auto* kernel = decode_sm90_kernel<T>;
+    // A host-side attribute (no sync, allowed during graph capture), set on every launch so
+    // that it holds on whichever device is current.
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(a);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
+                       float* o_out, cudaStream_t stream) {
+  KMLA_CHECK(act == DType::bf16 || act == DType::f16,
+             "decode_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
+  dispatch_act(act, [&]<class T>() {
+    auto* kernel = decode_sm90_probe_kernel<T>;
+    KMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kProbeSmemAlloc));
+    kernel<<<1, kThreads, kProbeSmemAlloc, stream>>>(static_cast<const T*>(q),
+                                                     static_cast<const T*>(k), p, s_out, o_out);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace kmla::cuda

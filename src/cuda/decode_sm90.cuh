@@ -1,0 +1,33 @@
+// The Hopper wgmma decode kernel (decode_sm90.cu): absorbed MQA for requests with many
+// (token, head) rows, where decode is compute bound. decode_attention() in
+// decode_attention.cu asks decode_sm90_supports() and launches it in place of the mma.sync
+// split-KV kernel; the combine of the splits is shared.
+#pragma once
+
+#include "cuda/attention.cuh"
+#include "cuda/decode_args.cuh"
+
+namespace kmla::cuda {
+
+// Query rows (token, head pairs of one request) per CTA of the wgmma kernel.
+inline constexpr int kDecodeSm90Rows = 64;
+
+// Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
+// binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
+// tiles with at least 64 rows per request (heads x max_query_len), a 16-bit cache and 16-bit
+// queries (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
+bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
+
+// Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
+// (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
+// a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for the combine.
+void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream);
+
+// Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
+// in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's
+// two 32-key halves) and o_out [64, 512] = round_act(p) k[:, :512] (fp32), both through the
+// kernel's swizzled layouts, descriptors and accumulator mappings.
+void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
+                       float* o_out, cudaStream_t stream);
+
+}  // namespace kmla::cuda

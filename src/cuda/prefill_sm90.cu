@@ -1,0 +1,834 @@
+// Variable-length prefill attention for Hopper (sm_90a): the same contract as the mma.sync
+// kernel in prefill_attention.cu (see there and cuda/attention.cuh), computed with warpgroup
+// MMA (wgmma) instructions that read their operands from 128-byte-swizzled shared memory, fed
+// by a producer warpgroup through an mbarrier pipeline. Design and budgets:
+// docs/prefill_sm90.md.
+//
+// Only the sm_90a compile of this file holds the kernels; the sm_80 compile of the same
+// source gets empty bodies (the host never launches them on anything but sm_90).
+//
+// Numerics match the mma.sync kernel: fp32 scores and softmax (exp2 with the scale folded in),
+// P rounded to the activation dtype as the register A operand of P.V, the row sum l from the
+// unrounded p, the output rounded once after the division by l, LSE in natural log.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/attention.cuh"
+#include "cuda/prefill_attention.cuh"
+
+// The device code below needs wgmma and setmaxnreg, which exist only in the sm_90a target.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KMLA_SM90_DEVICE 1
+#else
+#define KMLA_SM90_DEVICE 0
+#endif
+
+namespace kmla::cuda {
+namespace {
+
+constexpr int kNopeDim = 128;
+constexpr int kRopeDim = 64;
+constexpr int kQkDim = kNopeDim + kRopeDim;  // 192
+constexpr int kVDim = 128;
+static_assert(kQkDim == 192 && kVDim == 128, "the MLA head dims the tiles are built for");
+
+constexpr int kBlockM = 128;  // query rows per CTA: two consumer warpgroups of 64
+constexpr int kBlockN = 128;  // keys per pipeline stage
+constexpr int kStages = 2;
+constexpr int kThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
+
+// Every operand tile is stored as "panels" of 64 elements (128 bytes) per row: a [rows, 192]
+// tile is 3 panels [rows][64], a [keys, 128] V tile 2. Inside a panel, 16-byte chunk c of row
+// r sits at r * 128 + ((c ^ (r & 7)) * 16): the hardware's 128-byte swizzle, whose pattern
+// repeats every 8 rows = 1024 bytes, so every panel starts 1024-byte aligned.
+constexpr int kPanelRowBytes = 128;
+constexpr int kQPanelBytes = kBlockM * kPanelRowBytes;  // 16384
+constexpr int kKPanelBytes = kBlockN * kPanelRowBytes;  // 16384
+constexpr int kQBytes = 3 * kQPanelBytes;               // 49152
+constexpr int kKBytes = 3 * kKPanelBytes;               // 49152
+constexpr int kVBytes = 2 * kKPanelBytes;               // 32768
+constexpr int kStageBytes = kKBytes + kVBytes;          // 81920
+
+// Shared-memory plan (dynamic, from a 1024-byte-aligned base):
+//   [0, 49152)              Q: 3 panels x 128 rows (consumer warpgroup w reads rows 64w..)
+//   49152 + s * 81920       stage s = 0, 1: K 3 panels x 128 keys, then V 2 panels x 128 keys
+//   total 212992 bytes (208 KiB) + 1024 of alignment slack = 214016 <= 227 KiB opt-in.
+// The 9 mbarriers live in static shared memory (72 bytes; ptxas reports 80 with padding).
+constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;  // 212992
+constexpr int kSmemAlloc = kSmemBytes + 1024;
+static_assert(kSmemAlloc <= 227 * 1024, "fits the sm_90 per-block opt-in");
+
+// Register budget (65536 per SM, one CTA of 384 threads): the kernel starts at <= 168 per
+// thread (__launch_bounds__(384, 1)); the producer gives registers back (setmaxnreg 40) and the
+// consumers take them (232): 128 x 40 + 256 x 232 = 64512. A consumer thread holds O (64 fp32),
+// S (64 fp32) and P (32 packed pairs) plus softmax state and addresses: ~180. ptxas allocates
+// each region within its setmaxnreg limit (the producer's copy loop is kept rolled for that).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
+
+// ---- PTX wrappers (sm_90a) -----------------------------------------------------------
+#if KMLA_SM90_DEVICE
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's completed generic-proxy writes (cp.async) before later async-proxy
+// reads (wgmma) that other threads issue after synchronising with it.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
+      : "memory");
+}
+// Blocks until the phase of `bar` with parity `parity` has completed. Every wait in this
+// kernel is for a tile load or for the other warpgroups' MMAs on one tile (microseconds). A
+// wait still pending after 2^26 polls (seconds: each try_wait returns after at most a short,
+// hardware-chosen suspension) is a broken pipeline; trapping turns what would be a hung GPU
+// into a failed launch that a test or the caller can see. It costs one register and an add
+// per poll (a timer-based check cost the overlapped consumers their register budget).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      " .reg .pred done, stuck;\n"
+      " .reg .u32 polls;\n"
+      " mov.u32 polls, 0;\n"
+      "wait_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @done bra end_%=;\n"
+      " add.u32 polls, polls, 1;\n"
+      " setp.gt.u32 stuck, polls, 67108864;\n"
+      " @stuck trap;\n"
+      " bra wait_%=;\n"
+      "end_%=:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
+// bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 62-63 swizzle mode (1 = 128 bytes); base offset 0 since every panel is 1024-byte aligned.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+// K-major panel (rows of 64 elements along the reduction dim): 8-row groups 1024 bytes apart
+// (stride byte offset); the leading byte offset is unused by swizzled K-major layouts. A k-step
+// of 16 elements inside the panel moves the start address by 32 bytes.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) {
+  return make_desc(addr, 16, 1024);
+}
+// MN-major V (rows = keys, the reduction dim; 64 dims per panel row): the leading byte offset
+// is the distance between the two 64-dim panels, the stride byte offset between 8-key groups.
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t addr) {
+  return make_desc(addr, kKPanelBytes, 1024);
+}
+
+// Named barriers 1 and 2 (0 is __syncthreads) order the two consumer warpgroups' MMA issue
+// (ping-pong): a warpgroup waits on its own barrier (bar.sync, 128 of the 256 threads) and
+// releases the other's (bar.arrive, the other 128), so each completes once per handoff.
+// Immediate ids, so that ptxas reserves 3 barriers rather than all 16.
+template <int kId>
+__device__ __forceinline__ void named_bar_sync() {
+  asm volatile("bar.sync %0, 256;\n" ::"n"(kId) : "memory");
+}
+template <int kId>
+__device__ __forceinline__ void named_bar_arrive() {
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N committed wgmma groups of this warpgroup are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
+// MMA's issue and wait (both volatile asm, which are not reordered among themselves).
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define KMLA_ACC8(i)                                                                          \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KMLA_ACC64                                                                        \
+  KMLA_ACC8(0), KMLA_ACC8(8), KMLA_ACC8(16), KMLA_ACC8(24), KMLA_ACC8(32), KMLA_ACC8(40), \
+      KMLA_ACC8(48), KMLA_ACC8(56)
+#define KMLA_D64                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 128, fp32) = (accumulate ? d : 0) + A (64 x 16, smem, K-major) * B (16 x 128, smem,
+// K-major, i.e. stored as 128 rows of k).
+template <class T>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                         bool accumulate) {
+#define KMLA_WGMMA_SS(TY)                                                    \
+  asm volatile(                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                         \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KMLA_D64 \
+      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                      \
+      : KMLA_ACC64                                                           \
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
+  if constexpr (std::is_same_v<T, bf16>)
+    KMLA_WGMMA_SS("bf16");
+  else
+    KMLA_WGMMA_SS("f16");
+#undef KMLA_WGMMA_SS
+}
+
+// d (64 x 128, fp32) += A (64 x 16, registers: the mma.sync m16n8k16 A fragment of each
+// warp's 16 rows) * B (16 x 128, smem, MN-major: stored as 16 rows of 128 outputs).
+template <class T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+#define KMLA_WGMMA_RS(TY)                                                    \
+  asm volatile(                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                         \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KMLA_D64 \
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                        \
+      : KMLA_ACC64                                                           \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+  if constexpr (std::is_same_v<T, bf16>)
+    KMLA_WGMMA_RS("bf16");
+  else
+    KMLA_WGMMA_RS("f16");
+#undef KMLA_WGMMA_RS
+}
+#undef KMLA_D64
+#undef KMLA_ACC64
+#undef KMLA_ACC8
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error ~2^-22, 2^-inf = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Copies 64 columns (8 chunks of 16 bytes) of kRows rows into one swizzled panel with
+// kCopyThreads threads: thread i takes chunk i % 8 of rows i / 8 + (kCopyThreads / 8) k, so 8
+// consecutive threads read one 128-byte row segment, and (row & 7) is the same for all k.
+// Rows >= valid_rows are zero-filled (src-size 0) from a valid address without reading it.
+template <int kRows, int kCopyThreads, class T>
+__device__ __forceinline__ void copy_panel(uint32_t panel, const T* src, int64_t row_stride,
+                                           int valid_rows, int tid) {
+  constexpr int kRowStep = kCopyThreads / 8;
+  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0);
+  const int c = tid & 7, r0 = tid >> 3;
+  const T* thread_src = src + int64_t(r0) * row_stride + c * 8;
+  const int64_t step = kRowStep * row_stride;
+  uint32_t dst = panel + r0 * kPanelRowBytes + ((c ^ (r0 & 7)) << 4);
+  // Not unrolled: the producer runs on 40 registers, and one cp.async per iteration is far
+  // below what the consumers' MMAs take per byte.
+#pragma unroll 1
+  for (int r = r0; r < kRows; r += kRowStep) {
+    const bool valid = r < valid_rows;
+    cp_async_16(dst, valid ? thread_src : src, valid);
+    thread_src += step;
+    dst += kRowStep * kPanelRowBytes;
+  }
+}
+
+// Keys visible to query row `row` (0-based in its sequence of n queries and m keys).
+__device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
+  return causal ? min(max(m - n + row + 1, 0), m) : m;
+}
+
+#endif  // KMLA_SM90_DEVICE
+
+// ---- the kernel ---------------------------------------------------------------------
+// Grid: (max query blocks, heads, sequences); CTAs start in about linear order (x fastest).
+// The linear index within a sequence maps to (head, rank), rank r taking query block
+// num_blocks - 1 - r (rank 0: the last block, for causal the most expensive one):
+// * head_group 0 (round 1): head = y, rank = x: all blocks of one head, heavy first, then the
+//   next head. Good L2 reuse (the ~132 CTAs in flight share one or two heads' K/V), but a
+//   head's heaviest block starts as late as the previous heads' work allows, so the last
+//   head's heavy blocks run past the others: ~12% idle tail at 8k tokens x 16 heads, 15% at
+//   12 heads, 3% at 64 (list-scheduling model, work proportional to the block's keys).
+// * head_group G > 0: heads in groups of G (the last group may be smaller); inside a group
+//   ranks slowest, heads fastest, so the group's blocks start longest first (LPT): the
+//   model's tail drops below 0.5% at every size above. With G = 8 the CTAs in flight still
+//   cover only ~8 heads (~16 CTAs per head, roughly in step along the keys), so each K/V
+//   tile is read from HBM once per ~16 CTAs: at 8k x 64 heads ~0.7 GB over ~2.5 ms.
+//
+// Warpgroup 0 (producer, 40 registers): loads Q once (all 128 threads; its latency overlaps
+// that of tile 0, which is issued before Q is waited for), then K and V tiles of
+// 128 keys into a two-stage ring with cp.async: warps 0-1 the K tiles, warps 2-3 the V tiles.
+// Per tile, each half waits until both consumers are done with the stage's K (mbarrier
+// `k_empty`: their S of the tile two back) or V (`v_empty`: their P.V two tiles back), copies
+// (K 3 panels, V 2), waits for its own copies, fences them to the async proxy and arrives on
+// `k_full` / `v_full`. So K is refilled while V is still being read, and S of a tile can start
+// while its V is in flight.
+//
+// Warpgroups 1 and 2 (consumers, 232 registers): query rows [64(w-1), 64w) of the block. Per
+// tile: S = Q K^T as 12 wgmma m64n128k16 (Q and K from smem); mask (diagonal and last tile
+// only); online softmax on S in registers; P rounded to T in registers; O += P V as 8 wgmma
+// m64n128k16 (P from registers, V from smem, MN-major). kOverlap = false runs these strictly
+// in order; kOverlap = true issues S of tile j with P.V of tile j - 1 and does the softmax of
+// tile j while that P.V runs (FA3's intra-warpgroup overlap). On top, with `pingpong` the
+// two consumers take turns issuing their MMAs (named barriers), so that one's softmax runs
+// under the other's MMAs rather than at the same time as the other's softmax.
+//
+// Accumulator layout (m64nN, fp32): warp v of the warpgroup holds rows 16v..16v+15; lane
+// (g = lane / 4, t = lane % 4) holds, for each 8-column block i, d[4i + 0, 1] = row g, columns
+// 8i + 2t, +1 and d[4i + 2, 3] = row g + 8, same columns (as mma.sync m16n8).
+//
+// kSchedule: 0 in order, 1 overlapped, 2 overlapped with the early rescale of O (a template
+// parameter, not a runtime flag: with a runtime branch between the S and P.V issues, ptxas
+// inserts an extra warpgroup fence (C7519) before the P.V).
+template <class T, int kSchedule>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_attention_sm90_kernel(const PrefillParams p, float scale_log2, int head_group,
+                                  bool pingpong) {
+#if KMLA_SM90_DEVICE
+  constexpr bool kOverlap = kSchedule != 0;
+  constexpr bool early_rescale = kSchedule == 2;
+  __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
+  __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem_base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_smem = smem_base;
+  auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
+
+  // Which (head, query block) this CTA takes: see the grid order above the kernel.
+  int head = int(blockIdx.y), rank = int(blockIdx.x);  // head_group 0: blocks fastest
+  if (head_group > 0) {
+    const int nbx = int(gridDim.x);
+    const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
+    const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
+    const int hs = min(head_group, p.heads - g0);             // heads in this group
+    const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
+    head = g0 + r % hs;
+    rank = r / hs;
+  }
+  const int seq = blockIdx.z;
+  const int q_begin = p.cu_q[seq];
+  const int n = p.cu_q[seq + 1] - q_begin;
+  const int k_begin = p.cu_k[seq];
+  const int m = p.cu_k[seq + 1] - k_begin;
+  const int num_blocks = (n + kBlockM - 1) / kBlockM;
+  const int block = num_blocks - 1 - rank;
+  if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
+  const int q0 = block * kBlockM;
+  const bool causal = p.causal;
+  const int last_row = min(q0 + kBlockM, n) - 1;
+  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;  // 0: producer
+  const int wtid = tid & 127;
+
+  if (tid == 0) {
+    mbar_init(&q_full, 128);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&k_full[s], 64);  // the K half of the producer
+      mbar_init(&v_full[s], 64);  // the V half
+      mbar_init(&k_empty[s], 256);
+      mbar_init(&v_empty[s], 256);
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (num_tiles == 0) return;
+    const T* q_rows = static_cast<const T*>(p.q.ptr) + int64_t(q_begin + q0) * p.q.row_stride +
+                      int64_t(head) * p.q.head_stride;
+    const T* nope = static_cast<const T*>(p.k_nope.ptr) + int64_t(k_begin) * p.k_nope.row_stride +
+                    int64_t(head) * p.k_nope.head_stride;
+    const T* rope = static_cast<const T*>(p.k_rope.ptr) + int64_t(k_begin) * p.k_rope.row_stride +
+                    int64_t(head) * p.k_rope.head_stride;
+    const T* v = static_cast<const T*>(p.v.ptr) + int64_t(k_begin) * p.v.row_stride +
+                 int64_t(head) * p.v.head_stride;
+    // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
+    for (int pn = 0; pn < 3; ++pn)
+      copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride, n - q0,
+                               wtid);
+    cp_async_commit();  // Q's group; waited for after tile 0's copies are issued (below)
+
+    // Warps 0-1 load K tiles, warps 2-3 V tiles, each at its own pace: K of tile j only
+    // waits for the consumers' S of tile j - 2, V for their P.V of tile j - 2.
+    const bool loads_k = wtid < 64;
+    const int ctid = wtid & 63;
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j % kStages;
+      const int key0 = j * kBlockN;
+      const int rows = m - key0;  // >= 1; rows past it are zero-filled
+      const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
+      if (j >= kStages)  // the consumers' release of tile j - kStages
+        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
+      if (loads_k) {
+        const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
+        copy_panel<kBlockN, 64>(k_smem, nope + key0 * ks, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + key0 * ks + 64, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rope + key0 * rs, rs, rows, ctid);
+      } else {
+        const int64_t vs = p.v.row_stride;
+        copy_panel<kBlockN, 64>(v_smem, v + key0 * vs, vs, rows, ctid);
+        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + key0 * vs + 64, vs, rows, ctid);
+      }
+      cp_async_commit();
+      if (j == 0) {
+        // Q and tile 0 load at the same time (one latency instead of two before the first
+        // MMA of every CTA): Q's group is the older one, so at most one pending means Q is in.
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(&q_full);
+      }
+      cp_async_wait<0>();  // this thread's copies have landed
+      fence_proxy_async();
+      mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int cw = wg - 1;  // consumer warpgroup 0 or 1
+  const int warp = wtid / 32, lane = wtid & 31, g = lane >> 2, t = lane & 3;
+  const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
+  const bool wg_active = wg_first < n;
+  const int wg_min_limit = key_limit(wg_first, n, m, causal);
+  // Tiles with a key visible to some row of consumer c: a prefix [0, tiles) of the CTA's
+  // tiles (causal limits grow with the row).
+  auto tiles_of = [&](int c) {
+    const int first = q0 + 64 * c;
+    return first < n ? (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN
+                     : 0;
+  };
+  const int wg_tiles = tiles_of(cw);
+  const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
+  const int row_limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
+  const uint32_t q_wg = q_smem + cw * 64 * kPanelRowBytes;
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
+  float row_sum[2] = {0.f, 0.f};              // this thread's share of l
+  float sc[64];                               // S, then P in fp32
+  uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
+  float correction[2];
+
+  // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
+  auto issue_s = [&](int j) {
+    const uint32_t k_smem = stage_smem(j % kStages);
+#pragma unroll
+    for (int kk = 0; kk < 12; ++kk) {
+      const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
+      wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // O += P V of tile j: 8 k-steps of 16 keys, each two whole 8-key swizzle groups (2048 B).
+  auto issue_pv = [&](int j) {
+    const uint32_t v_smem = stage_smem(j % kStages) + kKBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_rs<T>(o, pa[kk], desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
+    wgmma_commit();
+  };
+  // Mask and online softmax of tile j in place on sc (base 2, see the mma.sync kernel);
+  // sets correction[] and returns whether any row of the warp moved its max (O needs it).
+  auto softmax = [&](int j) {
+    const int key0 = j * kBlockN;
+    if (key0 + kBlockN > wg_min_limit) {  // some key of this tile is hidden from some row
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * i + 2 * t + (e & 1);
+          if (key >= row_limit[e >> 1]) sc[4 * i + e] = -INFINITY;
+        }
+      }
+    }
+    bool max_moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row with no visible key yet keeps max -inf; subtracting 0 keeps p = 0, not NaN.
+      const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
+      max_moved |= mx != row_max[h];
+      row_max[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, -mx_scaled));
+        sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, -mx_scaled));
+        sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
+      }
+      row_sum[h] = row_sum[h] * correction[h] + sum;
+    }
+    return __any_sync(0xffffffffu, max_moved);
+  };
+  auto rescale_o = [&] {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      o[4 * i + 0] *= correction[0];
+      o[4 * i + 1] *= correction[0];
+      o[4 * i + 2] *= correction[1];
+      o[4 * i + 3] *= correction[1];
+    }
+  };
+  // P as the register A operand: k-step kk covers keys 16kk..16kk+15 = column blocks 2kk and
+  // 2kk + 1 of S: {row g keys 2t.., row g+8 keys 2t.., row g keys 8+2t.., row g+8 keys 8+2t..}.
+  auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+  };
+  auto parity = [](int j) { return uint32_t((j / kStages) & 1); };
+
+  // Ping-pong (overlapped schedule only): the two consumers take turns issuing their MMAs,
+  // one "slot" at a time: S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1), so T + 1
+  // slots for T tiles. Consumer 0 issues slot k after consumer 1 issued slot k - 1, and
+  // consumer 1 issues slot k after consumer 0 issued slot k, so while one runs its softmax
+  // the other's GEMMs are queued on the tensor cores, instead of both warpgroups drifting into
+  // step and leaving the tensor cores idle during a shared softmax phase. Only the first
+  // pp_slots = min(slots of 0, slots of 1) slots take turns (both sides compute the same
+  // number): each bar.sync then has exactly one matching bar.arrive: consumer 1 arrives on
+  // barrier 1 once up front and after each of its slots but the last, consumer 0 on barrier 2
+  // after each of its slots. No cycle with the mbarriers: a slot waits for loads that need
+  // the other consumer's releases of tiles two back, and a release never waits for a turn.
+  int pp_slots = 0;
+  if (kOverlap && pingpong) {
+    const int t0 = tiles_of(0), t1 = tiles_of(1);
+    pp_slots = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
+  }
+  // Consumer c waits on barrier 1 + c and releases barrier 2 - c.
+  auto turn_begin = [&](int slot) {
+    if (slot < pp_slots) {
+      if (cw == 0)
+        named_bar_sync<1>();
+      else
+        named_bar_sync<2>();
+    }
+  };
+  auto turn_end = [&](int slot) {
+    if (slot < pp_slots) {
+      if (cw == 0)
+        named_bar_arrive<2>();
+      else if (slot < pp_slots - 1)
+        named_bar_arrive<1>();
+    }
+  };
+  if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
+
+  if (wg_tiles > 0) mbar_wait(&q_full, 0);
+  if constexpr (!kOverlap) {
+    // Tile by tile: S, softmax, P.V, each waited for before the next.
+    for (int j = 0; j < wg_tiles; ++j) {
+      const int st = j % kStages;
+      mbar_wait(&k_full[st], parity(j));
+      wgmma_fence();
+      issue_s(j);
+      wgmma_wait<0>();
+      fence_regs(sc);
+      mbar_arrive(&k_empty[st]);
+      if (softmax(j)) rescale_o();
+      pack_p();
+      mbar_wait(&v_full[st], parity(j));
+      fence_regs(o);
+      wgmma_fence();
+      issue_pv(j);
+      wgmma_wait<0>();
+      fence_regs(o);
+      mbar_arrive(&v_empty[st]);
+    }
+  } else if (wg_tiles > 0) {
+    // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
+    // while P.V of tile j - 1 is still on the tensor cores. The rescale of O by tile j's
+    // correction waits for that P.V (O then holds tiles < j at tile j - 1's max): at the end
+    // of the iteration, or with early_rescale in the next one, between the issue of S(j + 1)
+    // and of P.V(j), where the 64 multiplies run under S(j + 1) instead of delaying the next
+    // issue (FA3 does the same for QK head dims above 128, where S is long enough to hide
+    // them). `pending`: O still owes the correction of the last softmax (warp-uniform).
+    bool pending = false;
+    mbar_wait(&k_full[0], 0);
+    turn_begin(0);
+    wgmma_fence();
+    issue_s(0);
+    turn_end(0);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    mbar_arrive(&k_empty[0]);
+    softmax(0);  // O is zero: no rescale
+    pack_p();
+    for (int j = 1; j < wg_tiles; ++j) {
+      const int st = j % kStages, prev = (j - 1) % kStages;
+      mbar_wait(&k_full[st], parity(j));
+      mbar_wait(&v_full[prev], parity(j - 1));
+      fence_regs(o);
+      turn_begin(j);
+      wgmma_fence();
+      issue_s(j);
+      if constexpr (early_rescale) {
+        fence_regs(o);  // volatile asm order: the multiplies come after the S issue
+        if (pending) rescale_o();
+        fence_regs(o);
+        wgmma_fence();  // O was written by ordinary instructions since the last fence
+      }
+      issue_pv(j - 1);
+      turn_end(j);
+      wgmma_wait<1>();  // groups complete in order: S of tile j is done
+      fence_regs(sc);
+      mbar_arrive(&k_empty[st]);
+      const bool moved = softmax(j);
+      wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
+      fence_regs(o);
+      mbar_arrive(&v_empty[prev]);
+      if constexpr (early_rescale)
+        pending = moved;
+      else if (moved)
+        rescale_o();
+      pack_p();
+    }
+    const int last = wg_tiles - 1;
+    mbar_wait(&v_full[last % kStages], parity(last));
+    fence_regs(o);
+    turn_begin(wg_tiles);
+    if (pending) rescale_o();
+    fence_regs(o);
+    wgmma_fence();
+    issue_pv(last);
+    turn_end(wg_tiles);
+    wgmma_wait<0>();
+    fence_regs(o);
+    mbar_arrive(&v_empty[last % kStages]);
+  }
+  // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
+  // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
+  for (int j = wg_tiles; j < num_tiles; ++j) {
+    const int st = j % kStages;
+    mbar_wait(&k_full[st], parity(j));
+    mbar_arrive(&k_empty[st]);
+    mbar_wait(&v_full[st], parity(j));
+    mbar_arrive(&v_empty[st]);
+  }
+
+  // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
+  if (!wg_active) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (row >= n) continue;
+    const bool any = l > 0.f;
+    const float inv = any ? 1.f / l : 0.f;
+    const int64_t grow = int64_t(q_begin) + row;
+    T* out = static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
+          pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+    if (t == 0)
+      p.lse[grow * p.lse_row_stride + head] =
+          any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+  }
+#else
+  (void)p;
+  (void)scale_log2, (void)head_group, (void)pingpong;
+#endif
+}
+
+// ---- building-block probe -------------------------------------------------------------
+// One warpgroup, no pipeline: a [64, 192], k [128, 192], v [128, 128] (dense rows) go through
+// the kernel's own copy_panel into swizzled panels; S = a k^T by 12 wgmma_ss, written to s_out
+// [64, 128] through the accumulator layout; then P = S rounded to T as the register operand,
+// O = P v by 8 wgmma_rs with the MN-major descriptor, written to o_out [64, 128].
+// swap_v_strides exchanges the V descriptor's two byte offsets: a diagnostic for the tests.
+template <class T>
+__global__ void __launch_bounds__(128)
+    prefill_sm90_probe_kernel(const T* a, const T* k, const T* v, float* s_out, float* o_out,
+                              bool swap_v_strides) {
+#if KMLA_SM90_DEVICE
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t a_smem = base, k_smem = base + 3 * 64 * kPanelRowBytes;
+  const uint32_t v_smem = k_smem + kKBytes;
+  const int tid = threadIdx.x;
+  for (int pn = 0; pn < 3; ++pn) {
+    copy_panel<64, 128>(a_smem + pn * 64 * kPanelRowBytes, a + pn * 64, kQkDim, 64, tid);
+    copy_panel<kBlockN, 128>(k_smem + pn * kKPanelBytes, k + pn * 64, kQkDim, kBlockN, tid);
+  }
+  for (int pn = 0; pn < 2; ++pn)
+    copy_panel<kBlockN, 128>(v_smem + pn * kKPanelBytes, v + pn * 64, kVDim, kBlockN, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+
+  float sc[64];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kQkDim / 16; ++kk) {
+    const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
+    const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+    wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(sc);
+
+  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int r = 16 * warp + g;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      s_out[(r + 8 * (e >> 1)) * kBlockN + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
+
+  uint32_t pa[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) pa[kk][q] = pack2<T>(sc[8 * kk + 2 * q], sc[8 * kk + 2 * q + 1]);
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  fence_regs(o);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_rs<T>(o, pa[kk],
+                swap_v_strides ? make_desc(v_smem + kk * 16 * kPanelRowBytes, 1024, kKPanelBytes)
+                               : desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      o_out[(r + 8 * (e >> 1)) * kVDim + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
+#else
+  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides;
+#endif
+}
+
+}  // namespace
+
+namespace {
+
+// Whether the wgmma kernel runs on `device`: an sm_90 GPU, and this binary holds sm_90a code
+// for it (a build whose KMLA_CUDA_GENCODE lacks compute_90a would run the empty sm_80 body).
+// Asked once per device (attribute queries: no sync, cheap enough for every launch).
+bool sm90_kernel_runs_on(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answer[kMaxDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+  if (device < 0 || device >= kMaxDevices) return false;
+  int a = answer[device].load(std::memory_order_relaxed);
+  if (a == 0) {
+    int major = 0;
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    bool runs = major == 9;
+    if (runs) {
+      cudaFuncAttributes attr{};
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_attention_sm90_kernel<bf16, 2>));
+      runs = attr.binaryVersion >= 90;
+    }
+    a = runs ? 2 : 1;
+    answer[device].store(a, std::memory_order_relaxed);
+  }
+  return a == 2;
+}
+
+}  // namespace
+
+bool prefill_sm90_supported(const PrefillParams& p) {
+  // The operands' alignment needs are those of the mma.sync kernel (16-byte rows, checked by
+  // prefill_attention's validation); what remains is the GPU and the binary.
+  (void)p;
+  int device = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  return sm90_kernel_runs_on(device);
+}
+
+void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
+                                   cudaStream_t stream) {
+  KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
+             "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
+  const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  dispatch_act(p.act, [&]<class T>() {
+    auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
+                   : opt.early_rescale ? prefill_attention_sm90_kernel<T, 2>
+                                       : prefill_attention_sm90_kernel<T, 1>;
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
+    const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
+                    unsigned(p.num_seqs));
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, scale_log2, head_group, opt.pingpong);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
+                        float* o_out, cudaStream_t stream, bool swap_v_strides) {
+  KMLA_CHECK(act == DType::bf16 || act == DType::f16,
+             "prefill_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
+  constexpr int kProbeSmem = 3 * 64 * kPanelRowBytes + kKBytes + kVBytes + 1024;
+  dispatch_act(act, [&]<class T>() {
+    auto* kernel = prefill_sm90_probe_kernel<T>;
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
+    kernel<<<1, 128, kProbeSmem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(k),
+                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace kmla::cuda
