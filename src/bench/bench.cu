@@ -686,8 +686,19 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     cases[0] = layer_case(c.kind, c.model, o.tp, c.batch, c.seq, c.q_len, c.tokens, c.block_size, c.format);
     cases[0].rank = o.tp_rank;
   }
-  if (!o.only.empty())
-    std::erase_if(cases, [&](const Case& c) { return c.name.find(o.only) == std::string::npos; });
+  if (!o.only.empty()) {
+    // A comma-separated list: keep the cases whose name contains any of the parts.
+    std::vector<std::string> parts;
+    for (size_t at = 0; at <= o.only.size();) {
+      const size_t comma = std::min(o.only.find(',', at), o.only.size());
+      if (comma > at) parts.push_back(o.only.substr(at, comma - at));
+      at = comma + 1;
+    }
+    std::erase_if(cases, [&](const Case& c) {
+      return std::none_of(parts.begin(), parts.end(),
+                          [&](const std::string& part) { return c.name.find(part) != std::string::npos; });
+    });
+  }
   KMLA_CHECK(!cases.empty(), "no bench case matches '", o.only, "'");
 
   int device = 0, count = 0;

@@ -15,7 +15,7 @@
 namespace kmla::bench {
 
 struct BenchOptions {
-  std::string only;  // run only the cases whose name contains this substring
+  std::string only;  // run only the cases whose name contains one of these (comma-separated)
   int iters = 20;    // timed runs per case (the median is reported)
   int warmup = 3;    // untimed runs before them
   bool json = false; // one JSON document instead of the table

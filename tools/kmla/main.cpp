@@ -687,7 +687,7 @@ int main(int argc, char** argv) {
 #ifdef KMLA_HAVE_CUDA
   kmla::bench::BenchOptions bo;
   CLI::App* bench = app.add_subcommand("bench", "time decode, prefill and the whole layer on the GPU (SPEC section 4)");
-  bench->add_option("--only", bo.only, "run the standard cases whose name contains this");
+  bench->add_option("--only", bo.only, "run the standard cases whose name contains this (or any of a comma-separated list)");
   bench->add_option("--iters", bo.iters, "timed runs per case (median reported)")->check(CLI::PositiveNumber);
   bench->add_option("--warmup", bo.warmup, "untimed runs per case")->check(CLI::NonNegativeNumber);
   bench->add_flag("--json", bo.json, "one JSON document");
