@@ -25,7 +25,8 @@ bool prefill_uses_sm90(const PrefillParams& p);
 // Variants of the wgmma kernel, for tests and A/B timing. prefill_attention uses the
 // defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_SM90_OVERLAP=0|1, KMLA_PREFILL_SM90_PINGPONG=0|1,
-// KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N.
+// KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N,
+// KMLA_PREFILL_SM90_TMA=0|1.
 struct Sm90Options {
   // The consumer schedule that runs the softmax of a tile under the previous tile's P.V;
   // false: each step waited for in order (simpler; kept for tests and A/B timing).
@@ -40,6 +41,10 @@ struct Sm90Options {
   // CTA order: 0 = all blocks of a head (heavy first), then the next head (round 1); G > 0 =
   // heads in groups of G, longest blocks of the group first (see prefill_sm90.cu).
   int head_group = 8;
+  // Full Q blocks and K/V tiles load with TMA (one producer thread per operand half; a
+  // partial tile at a sequence's end still goes through cp.async, which zero-fills); false:
+  // 128 producer threads with cp.async for everything.
+  bool tma = false;
 };
 
 // prefill_attention on the wgmma kernel regardless of the heuristics (same validation and

@@ -14,7 +14,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+#include <cuda.h>  // CUtensorMap (the map itself is encoded through the runtime's driver entry point)
+#include <cudaTypedefs.h>
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
@@ -69,6 +73,17 @@ static_assert(kSmemAlloc <= 227 * 1024, "fits the sm_90 per-block opt-in");
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
+
+// TMA descriptors of the four inputs, each a 3-D view [rows][heads][width] of a 16-bit
+// operand (dims innermost first: width, heads, rows) with a box of 64 x 1 x 128 = one
+// 128-byte-swizzled panel of 128 rows (16 KiB). Used only with Sm90Options::tma; passed as a
+// __grid_constant__ kernel parameter (4 x 128 bytes), so the device reads them in place.
+struct Sm90Maps {
+  CUtensorMap q;     // [rows][heads][192]
+  CUtensorMap nope;  // [rows][heads][128]
+  CUtensorMap rope;  // [rows][heads or 1 when shared][64]
+  CUtensorMap v;     // [rows][heads][128]
+};
 
 // ---- PTX wrappers (sm_90a) -----------------------------------------------------------
 #if KMLA_SM90_DEVICE
@@ -125,6 +140,30 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// One arrival that also tells the barrier to expect `bytes` more of asynchronous (TMA)
+// writes: the phase completes once every arrival is in and all those bytes have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+// TMA: one box of `map` at coordinates (c0 = column, c1 = head, c2 = row) into shared memory
+// at `dst` (1024-byte aligned; the map's 128-byte swizzle writes the panel layout used
+// everywhere here), counted as complete_tx bytes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
 // bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
 // 62-63 swizzle mode (1 = 128 bytes); base offset 0 since every panel is 1024-byte aligned.
@@ -155,6 +194,14 @@ __device__ __forceinline__ void named_bar_sync() {
 template <int kId>
 __device__ __forceinline__ void named_bar_arrive() {
   asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
+}
+// Named barriers 3-5 are the TMA producer's, for the rare tile it copies with cp.async (a
+// partial one): after every copying thread has fenced its copies, one thread arrives on the
+// full barrier, whose count is 1 in that mode. 3: all 128 producer threads (Q), 4: the K
+// half (warps 0-1), 5: the V half (warps 2-3).
+template <int kId, int kThreadCount>
+__device__ __forceinline__ void producer_bar_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -319,8 +366,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 // inserts an extra warpgroup fence (C7519) before the P.V).
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_attention_sm90_kernel(const PrefillParams p, float scale_log2, int head_group,
-                                  bool pingpong) {
+    prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
+                                  float scale_log2, int head_group, bool pingpong, bool tma) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule != 0;
   constexpr bool early_rescale = kSchedule == 2;
@@ -360,15 +407,94 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wtid = tid & 127;
 
   if (tid == 0) {
-    mbar_init(&q_full, 128);
+    // cp.async producer: every copying thread arrives; TMA producer: one arrival per load
+    // (with the bytes expected), or one after a named barrier for a partial tile.
+    mbar_init(&q_full, tma ? 1 : 128);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&k_full[s], 64);  // the K half of the producer
-      mbar_init(&v_full[s], 64);  // the V half
+      mbar_init(&k_full[s], tma ? 1 : 64);  // the K half of the producer
+      mbar_init(&v_full[s], tma ? 1 : 64);  // the V half
       mbar_init(&k_empty[s], 256);
       mbar_init(&v_empty[s], 256);
     }
   }
   __syncthreads();
+
+  // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
+  // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
+  // (48 KiB), K 3 (48 KiB), V 2 (32 KiB). A partial box is copied with cp.async as in the
+  // other producer, because TMA zero-fills only outside the whole tensor: rows past this
+  // sequence would be the next sequence's (or NaN padding), and 0 x NaN in V poisons P.V.
+  // That is at most the last key tile and the last query block of each sequence. The map's
+  // row extent is therefore never what bounds a load, and the host sets it to 2^31.
+  auto produce_tma = [&](int q_valid, int q_row, int k_row0, int keys, int tiles, int h,
+                         const T* q_rows, const T* nope, const T* rope, const T* v) {
+    const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
+    if (q_valid >= kBlockM) {
+      if (wtid == 0) {
+        tma_prefetch_map(&maps.q);
+        tma_prefetch_map(&maps.nope);
+        tma_prefetch_map(&maps.rope);
+        tma_prefetch_map(&maps.v);
+        mbar_arrive_expect_tx(&q_full, kQBytes);
+        for (int pn = 0; pn < 3; ++pn)
+          tma_load_3d(q_smem + pn * kQPanelBytes, &maps.q, 64 * pn, h, q_row, &q_full);
+      }
+    } else {
+      for (int pn = 0; pn < 3; ++pn)
+        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride,
+                                 q_valid, wtid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      producer_bar_sync<3, 128>();
+      if (wtid == 0) mbar_arrive(&q_full);
+    }
+    const bool loads_k = wtid < 64;
+    const int ctid = wtid & 63;
+#pragma unroll 1
+    for (int j = 0; j < tiles; ++j) {
+      const int s = j % kStages;
+      const int key0 = j * kBlockN;
+      const int rows = keys - key0;  // >= 1
+      const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
+      if (j >= kStages)  // the consumers' release of tile j - kStages
+        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
+      if (rows >= kBlockN) {
+        if (ctid == 0) {
+          if (loads_k) {
+            mbar_arrive_expect_tx(&k_full[s], kKBytes);
+            tma_load_3d(k_smem, &maps.nope, 0, h, k_row0 + key0, &k_full[s]);
+            tma_load_3d(k_smem + kKPanelBytes, &maps.nope, 64, h, k_row0 + key0, &k_full[s]);
+            tma_load_3d(k_smem + 2 * kKPanelBytes, &maps.rope, 0, rope_head, k_row0 + key0,
+                        &k_full[s]);
+          } else {
+            mbar_arrive_expect_tx(&v_full[s], kVBytes);
+            tma_load_3d(v_smem, &maps.v, 0, h, k_row0 + key0, &v_full[s]);
+            tma_load_3d(v_smem + kKPanelBytes, &maps.v, 64, h, k_row0 + key0, &v_full[s]);
+          }
+        }
+      } else if (loads_k) {
+        const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
+        copy_panel<kBlockN, 64>(k_smem, nope + key0 * ks, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + key0 * ks + 64, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rope + key0 * rs, rs, rows, ctid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_bar_sync<4, 64>();
+        if (ctid == 0) mbar_arrive(&k_full[s]);
+      } else {
+        const int64_t vs = p.v.row_stride;
+        copy_panel<kBlockN, 64>(v_smem, v + key0 * vs, vs, rows, ctid);
+        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + key0 * vs + 64, vs, rows, ctid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_bar_sync<5, 64>();
+        if (ctid == 0) mbar_arrive(&v_full[s]);
+      }
+    }
+  };
 
   if (wg == 0) {
     // ---- producer ----
@@ -382,6 +508,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                     int64_t(head) * p.k_rope.head_stride;
     const T* v = static_cast<const T*>(p.v.ptr) + int64_t(k_begin) * p.v.row_stride +
                  int64_t(head) * p.v.head_stride;
+    if (tma) {
+      produce_tma(n - q0, q_begin + q0, k_begin, m, num_tiles, head, q_rows, nope, rope, v);
+      return;
+    }
     // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
     for (int pn = 0; pn < 3; ++pn)
       copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride, n - q0,
@@ -679,8 +809,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p;
-  (void)scale_log2, (void)head_group, (void)pingpong;
+  (void)p, (void)maps;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
 #endif
 }
 
@@ -786,6 +916,47 @@ bool sm90_kernel_runs_on(int device) {
   return a == 2;
 }
 
+// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                     cudaEnableDefault, &found));
+    KMLA_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
+               "prefill_attention_sm90: the driver has no cuTensorMapEncodeTiled (status ",
+               int(found), ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one
+// 64 x 128-row panel, 128-byte swizzle. A shared operand (head_stride 0) gets a heads extent
+// of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads only boxes that
+// lie inside a sequence (see produce_tma), so it never bounds a load; cu_k's total is on the
+// device and stays there.
+void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, DType act,
+                        const char* name) {
+  const bool shared = o.head_stride == 0;
+  const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
+                              cuuint64_t(1) << 31};
+  // Byte strides of dims 1 and 2 (multiples of 16: prefill_attention's validation asks for
+  // 16-byte rows and heads). A heads extent of 1 takes the row stride as its (unused) stride.
+  const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride) * 2,
+                                 cuuint64_t(o.row_stride) * 2};
+  const cuuint32_t box[3] = {64, 1, kBlockN};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, const_cast<void*>(o.ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KMLA_CHECK(r == CUDA_SUCCESS, "prefill_attention_sm90: cuTensorMapEncodeTiled failed for ", name,
+             " (CUresult ", int(r), ", row_stride ", o.row_stride, ", head_stride ", o.head_stride,
+             ")");
+}
+
 }  // namespace
 
 bool prefill_sm90_supported(const PrefillParams& p) {
@@ -803,6 +974,16 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
+  Sm90Maps maps;
+  std::memset(&maps, 0, sizeof(maps));
+  if (opt.tma) {
+    // Host work only (no device call): graph capture records the maps with the launch.
+    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, p.act, "q");
+    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, p.act, "k_nope");
+    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, p.act, "k_rope");
+    encode_operand_map(&maps.v, p.v, kVDim, p.heads, p.act, "v");
+  }
   dispatch_act(p.act, [&]<class T>() {
     auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
                    : opt.early_rescale ? prefill_attention_sm90_kernel<T, 2>
@@ -811,7 +992,8 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
     const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
                     unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, scale_log2, head_group, opt.pingpong);
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
+                                                   opt.tma);
     KMLA_LAUNCH_CHECK();
   });
 }

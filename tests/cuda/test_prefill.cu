@@ -94,7 +94,9 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
 // The wgmma kernel's variants that run_case runs (variant -1 .. -5): -1 the defaults, -2 in
 // order with round 1's CTA order, -3 ping-pong with head groups of 3 (a partial last group
 // for most head counts), -4 ping-pong without the early rescale in groups of 1 (heads-major
-// order), -5 round 1's overlapped kernel (no ping-pong, late rescale, head after head).
+// order), -5 round 1's overlapped kernel (no ping-pong, late rescale, head after head); -6..-8
+// the same with the TMA producer: the defaults, ping-pong in groups of 3, in order head by
+// head (full tiles by TMA, the partial ones of these odd lengths by cp.async).
 cuda::Sm90Options sm90_variant(int variant) {
   cuda::Sm90Options o;  // -1: the defaults
   if (variant == -2) {
@@ -110,6 +112,16 @@ cuda::Sm90Options sm90_variant(int variant) {
   } else if (variant == -5) {
     o.pingpong = false;
     o.early_rescale = false;
+    o.head_group = 0;
+  } else if (variant == -6) {
+    o.tma = true;
+  } else if (variant == -7) {
+    o.tma = true;
+    o.pingpong = true;
+    o.head_group = 3;
+  } else if (variant == -8) {
+    o.tma = true;
+    o.overlap = false;
     o.head_group = 0;
   }
   return o;
@@ -235,10 +247,10 @@ void run_case(const Case& c) {
   p.softmax_scale = scale;
   p.act = c.act;
   // rows_per_cta 64 / 128: the mma.sync kernel's tilings; 0: the public prefill_attention
-  // (its own choice of kernel and tiling); -1..-5: the wgmma kernel's variants (sm90_variant;
+  // (its own choice of kernel and tiling); -1..-8: the wgmma kernel's variants (sm90_variant;
   // sm_90 GPUs only).
   const bool sm90 = cuda::prefill_sm90_supported(p);
-  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5}) {
+  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7, -8}) {
     if (rows_per_cta < 0 && !sm90) continue;
     const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
@@ -246,7 +258,7 @@ void run_case(const Case& c) {
                      ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) +
                            " pingpong " + std::to_string(opt.pingpong) + " early_rescale " +
                            std::to_string(opt.early_rescale) + " head_group " +
-                           std::to_string(opt.head_group)
+                           std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma)
                      : "rows_per_cta " + std::to_string(rows_per_cta));
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);
