@@ -554,7 +554,8 @@ bool sm90_allowed_by_env() {
 // makes the consumer warpgroups take turns issuing MMAs, KMLA_PREFILL_SM90_EARLY_RESCALE=0
 // rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
 // the CTA order (0: round 1's heads one after the other), KMLA_PREFILL_SM90_TMA=1 loads full
-// tiles with TMA. Unset: the Sm90Options defaults.
+// tiles with TMA, KMLA_PREFILL_SM90_CLUSTER=1 shares them between CTA pairs (TMA multicast).
+// Unset: the Sm90Options defaults.
 const Sm90Options& sm90_options_from_env() {
   static const Sm90Options opt = [] {
     Sm90Options o;
@@ -562,6 +563,7 @@ const Sm90Options& sm90_options_from_env() {
     o.pingpong = env_switch("KMLA_PREFILL_SM90_PINGPONG", o.pingpong);
     o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
     o.tma = env_switch("KMLA_PREFILL_SM90_TMA", o.tma);
+    o.cluster = env_switch("KMLA_PREFILL_SM90_CLUSTER", o.cluster);
     const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
     if (env != nullptr && *env != '\0') {
       char* end = nullptr;

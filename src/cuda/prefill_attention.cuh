@@ -26,7 +26,7 @@ bool prefill_uses_sm90(const PrefillParams& p);
 // defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_SM90_OVERLAP=0|1, KMLA_PREFILL_SM90_PINGPONG=0|1,
 // KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N,
-// KMLA_PREFILL_SM90_TMA=0|1.
+// KMLA_PREFILL_SM90_TMA=0|1, KMLA_PREFILL_SM90_CLUSTER=0|1.
 struct Sm90Options {
   // The consumer schedule that runs the softmax of a tile under the previous tile's P.V;
   // false: each step waited for in order (simpler; kept for tests and A/B timing).
@@ -45,6 +45,9 @@ struct Sm90Options {
   // partial tile at a sequence's end still goes through cp.async, which zero-fills); false:
   // 128 producer threads with cp.async for everything.
   bool tma = false;
+  // Clusters of two CTAs (adjacent query blocks of one head) share each K/V tile: each loads
+  // half of its rows by TMA multicast into both, halving the L2 -> SM traffic. Implies tma.
+  bool cluster = false;
 };
 
 // prefill_attention on the wgmma kernel regardless of the heuristics (same validation and

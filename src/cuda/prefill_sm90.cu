@@ -160,6 +160,39 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
 }
+// The same box written into the shared memory of every CTA in `cta_mask` (cluster ranks), at
+// the same offset `dst`, each signalling its own mbarrier at the offset of `bar`.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
+                                                      int c1, int c2, uint64_t* bar,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)),
+      "h"(cta_mask)
+      : "memory");
+}
+// Arrives on the mbarrier at the offset of `bar` in the shared memory of cluster rank `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// All threads of both CTAs of the cluster; orders the mbarrier inits before any remote use.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::
+          : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -367,7 +400,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
-                                  float scale_log2, int head_group, bool pingpong, bool tma) {
+                                  float scale_log2, int head_group, bool pingpong, bool tma,
+                                  bool cluster) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule != 0;
   constexpr bool early_rescale = kSchedule == 2;
@@ -378,17 +412,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
-  // Which (head, query block) this CTA takes: see the grid order above the kernel.
-  int head = int(blockIdx.y), rank = int(blockIdx.x);  // head_group 0: blocks fastest
+  // Which (head, query block) this CTA takes: see the grid order above the kernel. With
+  // `cluster` the unit of that order is a CTA pair (x = 2i, 2i + 1, one cluster): both take
+  // the same head, the pair's rank r giving them ranks 2r and 2r + 1 (adjacent query blocks).
+  const int units_x = cluster ? int(gridDim.x) / 2 : int(gridDim.x);
+  const int unit_x = cluster ? int(blockIdx.x) / 2 : int(blockIdx.x);
+  int head = int(blockIdx.y), unit_rank = unit_x;  // head_group 0: blocks fastest
   if (head_group > 0) {
-    const int nbx = int(gridDim.x);
-    const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
-    const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
-    const int hs = min(head_group, p.heads - g0);             // heads in this group
-    const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
+    const int lin = int(blockIdx.y) * units_x + unit_x;      // launch order within the seq
+    const int g0 = lin / (head_group * units_x) * head_group;  // first head of the group
+    const int hs = min(head_group, p.heads - g0);              // heads in this group
+    const int r = lin - g0 * units_x;                          // in [0, hs * units_x)
     head = g0 + r % hs;
-    rank = r / hs;
+    unit_rank = r / hs;
   }
+  const uint32_t crank = cluster ? cluster_ctarank() : 0;  // == blockIdx.x & 1
+  const int rank = cluster ? 2 * unit_rank + int(crank) : unit_rank;
   const int seq = blockIdx.z;
   const int q_begin = p.cu_q[seq];
   const int n = p.cu_q[seq + 1] - q_begin;
@@ -396,11 +435,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m = p.cu_k[seq + 1] - k_begin;
   const int num_blocks = (n + kBlockM - 1) / kBlockM;
   const int block = num_blocks - 1 - rank;
-  if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
-  const int q0 = block * kBlockM;
   const bool causal = p.causal;
-  const int last_row = min(q0 + kBlockM, n) - 1;
-  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
+  // Key tiles that some row of query block b sees (0 for a block past the queries).
+  auto tiles_of_block = [&](int b) {
+    if (b < 0) return 0;
+    const int last_row = min(b * kBlockM + kBlockM, n) - 1;
+    return (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
+  };
+  // A CTA pair loads and steps through the tiles of its longer block (the peer's block is
+  // block -+ 1); the shorter one's consumers only keep the barrier phases for the extra one.
+  const int peer_block = num_blocks - 1 - (rank ^ 1);
+  if (block < 0 && (!cluster || peer_block < 0)) return;  // uniform over the CTA (and pair)
+  const int num_tiles =
+      cluster ? max(tiles_of_block(block), tiles_of_block(peer_block)) : tiles_of_block(block);
+  // A pair member without queries of its own gets q0 past the sequence: no active rows.
+  const int q0 = block >= 0 ? block * kBlockM : num_blocks * kBlockM;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: producer
@@ -413,11 +462,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], tma ? 1 : 64);  // the K half of the producer
       mbar_init(&v_full[s], tma ? 1 : 64);  // the V half
-      mbar_init(&k_empty[s], 256);
-      mbar_init(&v_empty[s], 256);
+      // One arrival per consumer warp (8), and with `cluster` the peer's 8 too: a stage is
+      // refilled (by multicast, in both CTAs) only once both CTAs are done with it.
+      mbar_init(&k_empty[s], cluster ? 16 : 8);
+      mbar_init(&v_empty[s], cluster ? 16 : 8);
     }
+    if (cluster) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (cluster)
+    cluster_sync();
+  else
+    __syncthreads();
 
   // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
   // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
@@ -429,7 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto produce_tma = [&](int q_valid, int q_row, int k_row0, int keys, int tiles, int h,
                          const T* q_rows, const T* nope, const T* rope, const T* v) {
     const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
-    if (q_valid >= kBlockM) {
+    if (q_valid <= 0) {
+      // a pair member without queries: loads only its half of the shared K/V tiles
+    } else if (q_valid >= kBlockM) {
       if (wtid == 0) {
         tma_prefetch_map(&maps.q);
         tma_prefetch_map(&maps.nope);
@@ -461,7 +518,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
       if (rows >= kBlockN) {
         if (ctid == 0) {
-          if (loads_k) {
+          if (cluster) {
+            // This CTA's half of the rows (64 of each panel) into both CTAs; the whole tile's
+            // bytes land in each, so each expects all of them on its own barrier.
+            const int row = k_row0 + key0 + 64 * int(crank);
+            const uint32_t off = crank * 64 * kPanelRowBytes;
+            if (loads_k) {
+              mbar_arrive_expect_tx(&k_full[s], kKBytes);
+              tma_load_3d_multicast(k_smem + off, &maps.nope, 0, h, row, &k_full[s], 3);
+              tma_load_3d_multicast(k_smem + kKPanelBytes + off, &maps.nope, 64, h, row,
+                                    &k_full[s], 3);
+              tma_load_3d_multicast(k_smem + 2 * kKPanelBytes + off, &maps.rope, 0, rope_head,
+                                    row, &k_full[s], 3);
+            } else {
+              mbar_arrive_expect_tx(&v_full[s], kVBytes);
+              tma_load_3d_multicast(v_smem + off, &maps.v, 0, h, row, &v_full[s], 3);
+              tma_load_3d_multicast(v_smem + kKPanelBytes + off, &maps.v, 64, h, row, &v_full[s],
+                                    3);
+            }
+          } else if (loads_k) {
             mbar_arrive_expect_tx(&k_full[s], kKBytes);
             tma_load_3d(k_smem, &maps.nope, 0, h, k_row0 + key0, &k_full[s]);
             tma_load_3d(k_smem + kKPanelBytes, &maps.nope, 64, h, k_row0 + key0, &k_full[s]);
@@ -493,6 +568,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         producer_bar_sync<5, 64>();
         if (ctid == 0) mbar_arrive(&v_full[s]);
       }
+    }
+    // With `cluster` the peer's consumers arrive on this CTA's empty barriers, and the peer's
+    // loads write into its shared memory: this CTA may leave only once the peer has released
+    // the last tiles (which it does after its loads of them landed). Waiting for both CTAs'
+    // release of the last kStages tiles covers every earlier one (each stage's phases
+    // complete in order).
+    if (cluster && ctid == 0) {
+      for (int j = max(tiles - kStages, 0); j < tiles; ++j)
+        mbar_wait(loads_k ? &k_empty[j % kStages] : &v_empty[j % kStages],
+                  uint32_t((j / kStages) & 1));
     }
   };
 
@@ -558,6 +643,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int cw = wg - 1;  // consumer warpgroup 0 or 1
   const int warp = wtid / 32, lane = wtid & 31, g = lane >> 2, t = lane & 3;
+  // Done with a stage's K or V: one arrival per warp (its wgmma reads completed at the
+  // warpgroup's wait), on this CTA's barrier and with `cluster` on the peer's as well.
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) {
+      mbar_arrive(bar);
+      if (cluster) mbar_arrive_cluster(bar, crank ^ 1u);
+    }
+  };
   const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
   const bool wg_active = wg_first < n;
   const int wg_min_limit = key_limit(wg_first, n, m, causal);
@@ -705,7 +799,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_s(j);
       wgmma_wait<0>();
       fence_regs(sc);
-      mbar_arrive(&k_empty[st]);
+      release(&k_empty[st]);
       if (softmax(j)) rescale_o();
       pack_p();
       mbar_wait(&v_full[st], parity(j));
@@ -714,7 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_pv(j);
       wgmma_wait<0>();
       fence_regs(o);
-      mbar_arrive(&v_empty[st]);
+      release(&v_empty[st]);
     }
   } else if (wg_tiles > 0) {
     // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
@@ -732,7 +826,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end(0);
     wgmma_wait<0>();
     fence_regs(sc);
-    mbar_arrive(&k_empty[0]);
+    release(&k_empty[0]);
     softmax(0);  // O is zero: no rescale
     pack_p();
     for (int j = 1; j < wg_tiles; ++j) {
@@ -753,11 +847,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_end(j);
       wgmma_wait<1>();  // groups complete in order: S of tile j is done
       fence_regs(sc);
-      mbar_arrive(&k_empty[st]);
+      release(&k_empty[st]);
       const bool moved = softmax(j);
       wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
       fence_regs(o);
-      mbar_arrive(&v_empty[prev]);
+      release(&v_empty[prev]);
       if constexpr (early_rescale)
         pending = moved;
       else if (moved)
@@ -775,16 +869,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end(wg_tiles);
     wgmma_wait<0>();
     fence_regs(o);
-    mbar_arrive(&v_empty[last % kStages]);
+    release(&v_empty[last % kStages]);
   }
   // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
   // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
   for (int j = wg_tiles; j < num_tiles; ++j) {
     const int st = j % kStages;
     mbar_wait(&k_full[st], parity(j));
-    mbar_arrive(&k_empty[st]);
+    release(&k_empty[st]);
     mbar_wait(&v_full[st], parity(j));
-    mbar_arrive(&v_empty[st]);
+    release(&v_empty[st]);
   }
 
   // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
@@ -810,7 +904,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps;
-  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)cluster;
 #endif
 }
 
@@ -932,12 +1026,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one
-// 64 x 128-row panel, 128-byte swizzle. A shared operand (head_stride 0) gets a heads extent
+// panel's 64 columns x box_rows rows (128, or 64 for a CTA pair's half tile), 128-byte swizzle. A shared operand (head_stride 0) gets a heads extent
 // of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads only boxes that
 // lie inside a sequence (see produce_tma), so it never bounds a load; cu_k's total is on the
 // device and stays there.
-void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, DType act,
-                        const char* name) {
+void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, int box_rows,
+                        DType act, const char* name) {
   const bool shared = o.head_stride == 0;
   const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
                               cuuint64_t(1) << 31};
@@ -945,7 +1039,7 @@ void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads
   // 16-byte rows and heads). A heads extent of 1 takes the row stride as its (unused) stride.
   const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride) * 2,
                                  cuuint64_t(o.row_stride) * 2};
-  const cuuint32_t box[3] = {64, 1, kBlockN};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
       map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -974,15 +1068,16 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
+  const bool tma = opt.tma || opt.cluster;  // the CTA pairs load by TMA multicast
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
-  if (opt.tma) {
+  if (tma) {
     // Host work only (no device call): graph capture records the maps with the launch.
-    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, p.act, "q");
-    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, p.act, "k_nope");
-    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, p.act, "k_rope");
-    encode_operand_map(&maps.v, p.v, kVDim, p.heads, p.act, "v");
+    const int kv_rows = opt.cluster ? kBlockN / 2 : kBlockN;
+    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, kBlockM, p.act, "q");
+    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, kv_rows, p.act, "k_nope");
+    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, kv_rows, p.act, "k_rope");
+    encode_operand_map(&maps.v, p.v, kVDim, p.heads, kv_rows, p.act, "v");
   }
   dispatch_act(p.act, [&]<class T>() {
     auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
@@ -990,11 +1085,31 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
+    // With clusters x is rounded up to whole pairs (a CTA whose block and peer's block are
+    // both past the queries leaves at once).
+    const int blocks = ceil_div(p.max_q_len, kBlockM);
+    const dim3 grid(unsigned(opt.cluster ? blocks + (blocks & 1) : blocks), unsigned(p.heads),
                     unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   opt.tma);
-    KMLA_LAUNCH_CHECK();
+    if (!opt.cluster) {
+      kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group,
+                                                     opt.pingpong, tma, false);
+      KMLA_LAUNCH_CHECK();
+      return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemAlloc;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, maps, scale_log2, head_group,
+                                       bool(opt.pingpong), true, true));
   });
 }
 
