@@ -380,6 +380,10 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 // (K 3 panels, V 2), waits for its own copies, fences them to the async proxy and arrives on
 // `k_full` / `v_full`. So K is refilled while V is still being read, and S of a tile can start
 // while its V is in flight.
+// With `tma` one thread per half issues a bulk tensor copy per panel instead and arrives with
+// the byte count (partial boxes still go by cp.async, see produce_tma); with `cluster` two
+// CTAs on adjacent query blocks of one head each load half of every K/V tile into both
+// (multicast), and a stage is refilled only once both CTAs' consumers released it.
 //
 // Warpgroups 1 and 2 (consumers, 232 registers): query rows [64(w-1), 64w) of the block. Per
 // tile: S = Q K^T as 12 wgmma m64n128k16 (Q and K from smem); mask (diagonal and last tile
