@@ -10,15 +10,15 @@
 // Numerics match the mma.sync kernel: fp32 scores and softmax (exp2 with the scale folded in),
 // P rounded to the activation dtype as the register A operand of P.V, the row sum l from the
 // unrounded p, the output rounded once after the division by l, LSE in natural log.
+#include <cuda.h>  // CUtensorMap (encoded through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-
-#include <cuda.h>  // CUtensorMap (the map itself is encoded through the runtime's driver entry point)
-#include <cudaTypedefs.h>
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
@@ -160,39 +160,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
 }
-// The same box written into the shared memory of every CTA in `cta_mask` (cluster ranks), at
-// the same offset `dst`, each signalling its own mbarrier at the offset of `bar`.
-__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
-                                                      int c1, int c2, uint64_t* bar,
-                                                      uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)),
-      "h"(cta_mask)
-      : "memory");
-}
-// Arrives on the mbarrier at the offset of `bar` in the shared memory of cluster rank `cta`.
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
-          smem_addr(bar)),
-      "r"(cta)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// All threads of both CTAs of the cluster; orders the mbarrier inits before any remote use.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::
-          : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -258,6 +225,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #define KMLA_ACC8(i)                                                                          \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KMLA_OUT8(i)                                                                          \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+      "=f"(d[i + 6]), "=f"(d[i + 7])
+#define KMLA_OUT64                                                                        \
+  KMLA_OUT8(0), KMLA_OUT8(8), KMLA_OUT8(16), KMLA_OUT8(24), KMLA_OUT8(32), KMLA_OUT8(40), \
+      KMLA_OUT8(48), KMLA_OUT8(56)
 #define KMLA_ACC64                                                                        \
   KMLA_ACC8(0), KMLA_ACC8(8), KMLA_ACC8(16), KMLA_ACC8(24), KMLA_ACC8(32), KMLA_ACC8(40), \
       KMLA_ACC8(48), KMLA_ACC8(56)
@@ -303,9 +276,45 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
     KMLA_WGMMA_RS("f16");
 #undef KMLA_WGMMA_RS
 }
+// d (64 x 128, fp32) = [d +] A (64 x 16, registers) * B (16 x 128, smem, K-major: 128 rows of
+// k), for S = Q K^T with Q held in registers. kFirst: d is write-only (scale-d 0), so the
+// compiler need not keep the previous tile's S alive up to the first MMA of the next.
+template <class T, bool kFirst>
+__device__ __forceinline__ void wgmma_rs_k_major(float (&d)[64], const uint32_t (&a)[4],
+                                                 uint64_t desc_b) {
+#define KMLA_WGMMA_RSK(TY, ACC, SCALE_D)                                     \
+  asm volatile(                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                         \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KMLA_D64 \
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                        \
+      : ACC                                                                  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(SCALE_D))
+  if constexpr (kFirst) {
+    if constexpr (std::is_same_v<T, bf16>)
+      KMLA_WGMMA_RSK("bf16", KMLA_OUT64, 0);
+    else
+      KMLA_WGMMA_RSK("f16", KMLA_OUT64, 0);
+  } else {
+    if constexpr (std::is_same_v<T, bf16>)
+      KMLA_WGMMA_RSK("bf16", KMLA_ACC64, 1);
+    else
+      KMLA_WGMMA_RSK("f16", KMLA_ACC64, 1);
+  }
+#undef KMLA_WGMMA_RSK
+}
 #undef KMLA_D64
+#undef KMLA_OUT64
 #undef KMLA_ACC64
+#undef KMLA_OUT8
 #undef KMLA_ACC8
+
+// Four 8x8 16-bit matrices from shared memory, one row address per lane (lanes 8i..8i+7 give
+// matrix i's rows); register i of every lane gets its pair of matrix i (the mma.sync layout).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -380,10 +389,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 // (K 3 panels, V 2), waits for its own copies, fences them to the async proxy and arrives on
 // `k_full` / `v_full`. So K is refilled while V is still being read, and S of a tile can start
 // while its V is in flight.
-// With `tma` one thread per half issues a bulk tensor copy per panel instead and arrives with
-// the byte count (partial boxes still go by cp.async, see produce_tma); with `cluster` two
-// CTAs on adjacent query blocks of one head each load half of every K/V tile into both
-// (multicast), and a stage is refilled only once both CTAs' consumers released it.
+// With `tma` (the default) one thread per half issues a bulk tensor copy per panel instead
+// and arrives with the byte count (partial boxes still go by cp.async, see produce_tma).
 //
 // Warpgroups 1 and 2 (consumers, 232 registers): query rows [64(w-1), 64w) of the block. Per
 // tile: S = Q K^T as 12 wgmma m64n128k16 (Q and K from smem); mask (diagonal and last tile
@@ -400,15 +407,17 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 //
 // kSchedule: 0 in order, 1 overlapped, 2 overlapped with the early rescale of O (a template
 // parameter, not a runtime flag: with a runtime branch between the S and P.V issues, ptxas
-// inserts an extra warpgroup fence (C7519) before the P.V).
+// inserts an extra warpgroup fence (C7519) before the P.V), 3 in order with Q in registers
+// (S by register-A wgmma: 48 KiB less shared-memory reading per tile and CTA).
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
-                                  float scale_log2, int head_group, bool pingpong, bool tma,
-                                  bool cluster) {
+                                  float scale_log2, int head_group, bool pingpong, bool tma) {
 #if KMLA_SM90_DEVICE
-  constexpr bool kOverlap = kSchedule != 0;
+  constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
+  constexpr bool kQInRegs = kSchedule == 3;  // in order, S = Q K^T with Q from registers
+  static_assert(kSchedule >= 0 && kSchedule <= 3);
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
   __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
   extern __shared__ uint8_t smem_raw[];
@@ -416,22 +425,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
-  // Which (head, query block) this CTA takes: see the grid order above the kernel. With
-  // `cluster` the unit of that order is a CTA pair (x = 2i, 2i + 1, one cluster): both take
-  // the same head, the pair's rank r giving them ranks 2r and 2r + 1 (adjacent query blocks).
-  const int units_x = cluster ? int(gridDim.x) / 2 : int(gridDim.x);
-  const int unit_x = cluster ? int(blockIdx.x) / 2 : int(blockIdx.x);
-  int head = int(blockIdx.y), unit_rank = unit_x;  // head_group 0: blocks fastest
+  // Which (head, query block) this CTA takes: see the grid order above the kernel.
+  int head = int(blockIdx.y), rank = int(blockIdx.x);  // head_group 0: blocks fastest
   if (head_group > 0) {
-    const int lin = int(blockIdx.y) * units_x + unit_x;      // launch order within the seq
-    const int g0 = lin / (head_group * units_x) * head_group;  // first head of the group
-    const int hs = min(head_group, p.heads - g0);              // heads in this group
-    const int r = lin - g0 * units_x;                          // in [0, hs * units_x)
+    const int nbx = int(gridDim.x);
+    const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
+    const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
+    const int hs = min(head_group, p.heads - g0);             // heads in this group
+    const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
     head = g0 + r % hs;
-    unit_rank = r / hs;
+    rank = r / hs;
   }
-  const uint32_t crank = cluster ? cluster_ctarank() : 0;  // == blockIdx.x & 1
-  const int rank = cluster ? 2 * unit_rank + int(crank) : unit_rank;
   const int seq = blockIdx.z;
   const int q_begin = p.cu_q[seq];
   const int n = p.cu_q[seq + 1] - q_begin;
@@ -439,21 +443,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m = p.cu_k[seq + 1] - k_begin;
   const int num_blocks = (n + kBlockM - 1) / kBlockM;
   const int block = num_blocks - 1 - rank;
+  if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
+  const int q0 = block * kBlockM;
   const bool causal = p.causal;
-  // Key tiles that some row of query block b sees (0 for a block past the queries).
-  auto tiles_of_block = [&](int b) {
-    if (b < 0) return 0;
-    const int last_row = min(b * kBlockM + kBlockM, n) - 1;
-    return (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
-  };
-  // A CTA pair loads and steps through the tiles of its longer block (the peer's block is
-  // block -+ 1); the shorter one's consumers only keep the barrier phases for the extra one.
-  const int peer_block = num_blocks - 1 - (rank ^ 1);
-  if (block < 0 && (!cluster || peer_block < 0)) return;  // uniform over the CTA (and pair)
-  const int num_tiles =
-      cluster ? max(tiles_of_block(block), tiles_of_block(peer_block)) : tiles_of_block(block);
-  // A pair member without queries of its own gets q0 past the sequence: no active rows.
-  const int q0 = block >= 0 ? block * kBlockM : num_blocks * kBlockM;
+  const int last_row = min(q0 + kBlockM, n) - 1;
+  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: producer
@@ -466,17 +460,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], tma ? 1 : 64);  // the K half of the producer
       mbar_init(&v_full[s], tma ? 1 : 64);  // the V half
-      // One arrival per consumer warp (8), and with `cluster` the peer's 8 too: a stage is
-      // refilled (by multicast, in both CTAs) only once both CTAs are done with it.
-      mbar_init(&k_empty[s], cluster ? 16 : 8);
-      mbar_init(&v_empty[s], cluster ? 16 : 8);
+      mbar_init(&k_empty[s], 8);            // one arrival per consumer warp
+      mbar_init(&v_empty[s], 8);
     }
-    if (cluster) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (cluster)
-    cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
 
   // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
   // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
@@ -488,9 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto produce_tma = [&](int q_valid, int q_row, int k_row0, int keys, int tiles, int h,
                          const T* q_rows, const T* nope, const T* rope, const T* v) {
     const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
-    if (q_valid <= 0) {
-      // a pair member without queries: loads only its half of the shared K/V tiles
-    } else if (q_valid >= kBlockM) {
+    if (q_valid >= kBlockM) {
       if (wtid == 0) {
         tma_prefetch_map(&maps.q);
         tma_prefetch_map(&maps.nope);
@@ -522,25 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
       if (rows >= kBlockN) {
         if (ctid == 0) {
-          if (cluster) {
-            // This CTA's half of the rows (64 of each panel) into both CTAs; the whole tile's
-            // bytes land in each, so each expects all of them on its own barrier.
-            const int row = k_row0 + key0 + 64 * int(crank);
-            const uint32_t off = crank * 64 * kPanelRowBytes;
-            if (loads_k) {
-              mbar_arrive_expect_tx(&k_full[s], kKBytes);
-              tma_load_3d_multicast(k_smem + off, &maps.nope, 0, h, row, &k_full[s], 3);
-              tma_load_3d_multicast(k_smem + kKPanelBytes + off, &maps.nope, 64, h, row,
-                                    &k_full[s], 3);
-              tma_load_3d_multicast(k_smem + 2 * kKPanelBytes + off, &maps.rope, 0, rope_head,
-                                    row, &k_full[s], 3);
-            } else {
-              mbar_arrive_expect_tx(&v_full[s], kVBytes);
-              tma_load_3d_multicast(v_smem + off, &maps.v, 0, h, row, &v_full[s], 3);
-              tma_load_3d_multicast(v_smem + kKPanelBytes + off, &maps.v, 64, h, row, &v_full[s],
-                                    3);
-            }
-          } else if (loads_k) {
+          if (loads_k) {
             mbar_arrive_expect_tx(&k_full[s], kKBytes);
             tma_load_3d(k_smem, &maps.nope, 0, h, k_row0 + key0, &k_full[s]);
             tma_load_3d(k_smem + kKPanelBytes, &maps.nope, 64, h, k_row0 + key0, &k_full[s]);
@@ -572,16 +540,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         producer_bar_sync<5, 64>();
         if (ctid == 0) mbar_arrive(&v_full[s]);
       }
-    }
-    // With `cluster` the peer's consumers arrive on this CTA's empty barriers, and the peer's
-    // loads write into its shared memory: this CTA may leave only once the peer has released
-    // the last tiles (which it does after its loads of them landed). Waiting for both CTAs'
-    // release of the last kStages tiles covers every earlier one (each stage's phases
-    // complete in order).
-    if (cluster && ctid == 0) {
-      for (int j = max(tiles - kStages, 0); j < tiles; ++j)
-        mbar_wait(loads_k ? &k_empty[j % kStages] : &v_empty[j % kStages],
-                  uint32_t((j / kStages) & 1));
     }
   };
 
@@ -648,13 +606,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1;  // consumer warpgroup 0 or 1
   const int warp = wtid / 32, lane = wtid & 31, g = lane >> 2, t = lane & 3;
   // Done with a stage's K or V: one arrival per warp (its wgmma reads completed at the
-  // warpgroup's wait), on this CTA's barrier and with `cluster` on the peer's as well.
+  // warpgroup's wait).
   auto release = [&](uint64_t* bar) {
     __syncwarp();
-    if (lane == 0) {
-      mbar_arrive(bar);
-      if (cluster) mbar_arrive_cluster(bar, crank ^ 1u);
-    }
+    if (lane == 0) mbar_arrive(bar);
   };
   const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
   const bool wg_active = wg_first < n;
@@ -679,6 +634,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sc[64];                               // S, then P in fp32
   uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
   float correction[2];
+  // kQInRegs: this warp's 16 query rows x 192 dims as the register A operand of the 12 S
+  // k-steps (48 registers, loaded once). Affordable only in order: O 64 + S 64 (dead once P
+  // is packed from it) + P 32 + Q 48 stays near 200; the overlapped schedule keeps S and P
+  // alive together and would need ~250.
+  uint32_t qa[kQInRegs ? 12 : 1][4];
 
   // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
   auto issue_s = [&](int j) {
@@ -686,7 +646,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 12; ++kk) {
       const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
-      wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+      if constexpr (kQInRegs) {
+        if (kk == 0)
+          wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + off));
+        else
+          wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + off));
+      } else {
+        wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+      }
     }
     wgmma_commit();
   };
@@ -794,6 +761,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
 
   if (wg_tiles > 0) mbar_wait(&q_full, 0);
+  if constexpr (kQInRegs) {
+    // k-step kk reads dims 16kk..16kk+15 = chunks 2(kk % 4), +1 of panel kk / 4; lanes 0-7
+    // address rows 0-7 of the warp's 16 at the first chunk, 8-15 rows 8-15, 16-31 the same
+    // rows at the second chunk (the m16n8k16 A fragment order a0..a3).
+    if (wg_tiles > 0) {
+      const int row = 64 * cw + 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int kk = 0; kk < 12; ++kk) {
+        const int chunk = 2 * (kk % 4) + (lane >> 4);
+        ldmatrix_x4(qa[kk], q_smem + (kk / 4) * kQPanelBytes + row * kPanelRowBytes +
+                                ((chunk ^ (row & 7)) << 4));
+      }
+    }
+  }
   if constexpr (!kOverlap) {
     // Tile by tile: S, softmax, P.V, each waited for before the next.
     for (int j = 0; j < wg_tiles; ++j) {
@@ -908,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps;
-  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)cluster;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
 #endif
 }
 
@@ -1030,12 +1011,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one
-// panel's 64 columns x box_rows rows (128, or 64 for a CTA pair's half tile), 128-byte swizzle. A shared operand (head_stride 0) gets a heads extent
-// of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads only boxes that
-// lie inside a sequence (see produce_tma), so it never bounds a load; cu_k's total is on the
-// device and stays there.
-void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, int box_rows,
-                        DType act, const char* name) {
+// panel's 64 columns x 128 rows, 128-byte swizzle. A shared operand (head_stride 0) gets a
+// heads extent of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads
+// only boxes that lie inside a sequence (see produce_tma), so it never bounds a load; cu_k's
+// total is on the device and stays there.
+void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, DType act,
+                        const char* name) {
   const bool shared = o.head_stride == 0;
   const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
                               cuuint64_t(1) << 31};
@@ -1043,7 +1024,7 @@ void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads
   // 16-byte rows and heads). A heads extent of 1 takes the row stride as its (unused) stride.
   const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride) * 2,
                                  cuuint64_t(o.row_stride) * 2};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
+  const cuuint32_t box[3] = {64, 1, kBlockN};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
       map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -1072,48 +1053,28 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  const bool tma = opt.tma || opt.cluster;  // the CTA pairs load by TMA multicast
+  static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
-  if (tma) {
+  if (opt.tma) {
     // Host work only (no device call): graph capture records the maps with the launch.
-    const int kv_rows = opt.cluster ? kBlockN / 2 : kBlockN;
-    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, kBlockM, p.act, "q");
-    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, kv_rows, p.act, "k_nope");
-    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, kv_rows, p.act, "k_rope");
-    encode_operand_map(&maps.v, p.v, kVDim, p.heads, kv_rows, p.act, "v");
+    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, p.act, "q");
+    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, p.act, "k_nope");
+    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, p.act, "k_rope");
+    encode_operand_map(&maps.v, p.v, kVDim, p.heads, p.act, "v");
   }
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
+    auto* kernel = !opt.overlap        ? (opt.q_in_registers ? prefill_attention_sm90_kernel<T, 3>
+                                                             : prefill_attention_sm90_kernel<T, 0>)
                    : opt.early_rescale ? prefill_attention_sm90_kernel<T, 2>
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    // With clusters x is rounded up to whole pairs (a CTA whose block and peer's block are
-    // both past the queries leaves at once).
-    const int blocks = ceil_div(p.max_q_len, kBlockM);
-    const dim3 grid(unsigned(opt.cluster ? blocks + (blocks & 1) : blocks), unsigned(p.heads),
+    const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
                     unsigned(p.num_seqs));
-    if (!opt.cluster) {
-      kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group,
-                                                     opt.pingpong, tma, false);
-      KMLA_LAUNCH_CHECK();
-      return;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemAlloc;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, maps, scale_log2, head_group,
-                                       bool(opt.pingpong), true, true));
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
+                                                   opt.tma);
+    KMLA_LAUNCH_CHECK();
   });
 }
 
