@@ -71,7 +71,10 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
 // o_out = round_act(s_out) v [64, 128] fp32 (register-A wgmma, MN-major V descriptor).
 // Device pointers; needs an sm_90 GPU. swap_v_strides exchanges the V descriptor's leading and
 // stride byte offsets (a diagnostic: the tests report whether that layout would match).
+// a_in_registers computes s_out as the Q-in-registers schedule does (a loaded into registers
+// with ldmatrix, register-A wgmma against K-major k).
 void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
-                        float* o_out, cudaStream_t stream, bool swap_v_strides = false);
+                        float* o_out, cudaStream_t stream, bool swap_v_strides = false,
+                        bool a_in_registers = false);
 
 }  // namespace kmla::cuda

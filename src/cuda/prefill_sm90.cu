@@ -316,6 +316,22 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// The register A operand of the 12 S k-steps (dims 0..191) for one warp's 16 rows starting at
+// row `row0` of three swizzled 64-dim panels `panel_bytes` apart. k-step kk reads dims
+// 16kk..16kk+15 = chunks 2(kk % 4), +1 of panel kk / 4; lanes 0-7 address rows 0-7 at the
+// first chunk, 8-15 rows 8-15, 16-31 the same rows at the second chunk, which gives the
+// m16n8k16 A fragment order a0..a3.
+__device__ __forceinline__ void load_a_fragments(uint32_t (&qa)[12][4], uint32_t panels,
+                                                 uint32_t panel_bytes, int row0, int lane) {
+  const int row = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int kk = 0; kk < 12; ++kk) {
+    const int chunk = 2 * (kk % 4) + (lane >> 4);
+    ldmatrix_x4(qa[kk], panels + (kk / 4) * panel_bytes + row * kPanelRowBytes +
+                            ((chunk ^ (row & 7)) << 4));
+  }
+}
+
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r;
@@ -762,18 +778,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg_tiles > 0) mbar_wait(&q_full, 0);
   if constexpr (kQInRegs) {
-    // k-step kk reads dims 16kk..16kk+15 = chunks 2(kk % 4), +1 of panel kk / 4; lanes 0-7
-    // address rows 0-7 of the warp's 16 at the first chunk, 8-15 rows 8-15, 16-31 the same
-    // rows at the second chunk (the m16n8k16 A fragment order a0..a3).
-    if (wg_tiles > 0) {
-      const int row = 64 * cw + 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-      for (int kk = 0; kk < 12; ++kk) {
-        const int chunk = 2 * (kk % 4) + (lane >> 4);
-        ldmatrix_x4(qa[kk], q_smem + (kk / 4) * kQPanelBytes + row * kPanelRowBytes +
-                                ((chunk ^ (row & 7)) << 4));
-      }
-    }
+    if (wg_tiles > 0) load_a_fragments(qa, q_smem, kQPanelBytes, 64 * cw + 16 * warp, lane);
   }
   if constexpr (!kOverlap) {
     // Tile by tile: S, softmax, P.V, each waited for before the next.
@@ -899,10 +904,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // [64, 128] through the accumulator layout; then P = S rounded to T as the register operand,
 // O = P v by 8 wgmma_rs with the MN-major descriptor, written to o_out [64, 128].
 // swap_v_strides exchanges the V descriptor's two byte offsets: a diagnostic for the tests.
+// a_in_registers computes S as the Q-in-registers schedule does: a loaded by load_a_fragments,
+// 12 register-A wgmma against the same K descriptors.
 template <class T>
 __global__ void __launch_bounds__(128)
     prefill_sm90_probe_kernel(const T* a, const T* k, const T* v, float* s_out, float* o_out,
-                              bool swap_v_strides) {
+                              bool swap_v_strides, bool a_in_registers) {
 #if KMLA_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -920,19 +927,33 @@ __global__ void __launch_bounds__(128)
   fence_proxy_async();
   __syncthreads();
 
+  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   float sc[64];
-  wgmma_fence();
+  if (a_in_registers) {
+    uint32_t qa[12][4];
+    load_a_fragments(qa, a_smem, 64 * kPanelRowBytes, 16 * warp, lane);
+    wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kQkDim / 16; ++kk) {
-    const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
-    const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
-    wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
+    for (int kk = 0; kk < kQkDim / 16; ++kk) {
+      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+      if (kk == 0)
+        wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + k_off));
+      else
+        wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + k_off));
+    }
+  } else {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQkDim / 16; ++kk) {
+      const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
+      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+      wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
+    }
   }
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(sc);
 
-  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r = 16 * warp + g;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -964,7 +985,7 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < 4; ++e)
       o_out[(r + 8 * (e >> 1)) * kVDim + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides;
+  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides, (void)a_in_registers;
 #endif
 }
 
@@ -1079,7 +1100,8 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
 }
 
 void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
-                        float* o_out, cudaStream_t stream, bool swap_v_strides) {
+                        float* o_out, cudaStream_t stream, bool swap_v_strides,
+                        bool a_in_registers) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16,
              "prefill_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
   constexpr int kProbeSmem = 3 * 64 * kPanelRowBytes + kKBytes + kVBytes + 1024;
@@ -1088,7 +1110,8 @@ void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, 
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
     kernel<<<1, 128, kProbeSmem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(k),
-                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides);
+                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides,
+                                           a_in_registers);
     KMLA_LAUNCH_CHECK();
   });
 }
