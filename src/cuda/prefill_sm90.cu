@@ -1057,6 +1057,19 @@ void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads
              ")");
 }
 
+// Whether the TMA producer can describe the operands: positive row strides, head strides
+// positive (k_rope: or 0, shared by all heads, which its map handles), all below the encoder's
+// 2^40-byte limit. The validation allows more (any multiple of 8 elements, negative too); such
+// layouts run the cp.async producer instead of failing.
+bool tma_supports(const PrefillParams& p) {
+  constexpr int64_t kMaxStride = (int64_t(1) << 40) / 2;  // elements of 2 bytes
+  auto ok = [&](const Operand& o, bool may_share) {
+    return o.row_stride > 0 && o.row_stride < kMaxStride &&
+           (o.head_stride > 0 || (may_share && o.head_stride == 0)) && o.head_stride < kMaxStride;
+  };
+  return ok(p.q, false) && ok(p.k_nope, false) && ok(p.k_rope, true) && ok(p.v, false);
+}
+
 }  // namespace
 
 bool prefill_sm90_supported(const PrefillParams& p) {
@@ -1075,9 +1088,10 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
+  const bool tma = opt.tma && tma_supports(p);
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
-  if (opt.tma) {
+  if (tma) {
     // Host work only (no device call): graph capture records the maps with the launch.
     encode_operand_map(&maps.q, p.q, kQkDim, p.heads, p.act, "q");
     encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, p.act, "k_nope");
@@ -1094,7 +1108,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
     const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
                     unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   opt.tma);
+                                                   tma);
     KMLA_LAUNCH_CHECK();
   });
 }
