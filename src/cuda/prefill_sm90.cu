@@ -10,10 +10,14 @@
 // Numerics match the mma.sync kernel: fp32 scores and softmax (exp2 with the scale folded in),
 // P rounded to the activation dtype as the register A operand of P.V, the row sum l from the
 // unrounded p, the output rounded once after the division by l, LSE in natural log.
+#include <cuda.h>  // CUtensorMap (encoded through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cuda/attention.cuh"
@@ -70,6 +74,17 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
 
+// TMA descriptors of the four inputs, each a 3-D view [rows][heads][width] of a 16-bit
+// operand (dims innermost first: width, heads, rows) with a box of 64 x 1 x 128 = one
+// 128-byte-swizzled panel of 128 rows (16 KiB). Used only with Sm90Options::tma; passed as a
+// __grid_constant__ kernel parameter (4 x 128 bytes), so the device reads them in place.
+struct Sm90Maps {
+  CUtensorMap q;     // [rows][heads][192]
+  CUtensorMap nope;  // [rows][heads][128]
+  CUtensorMap rope;  // [rows][heads or 1 when shared][64]
+  CUtensorMap v;     // [rows][heads][128]
+};
+
 // ---- PTX wrappers (sm_90a) -----------------------------------------------------------
 #if KMLA_SM90_DEVICE
 
@@ -125,6 +140,30 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// One arrival that also tells the barrier to expect `bytes` more of asynchronous (TMA)
+// writes: the phase completes once every arrival is in and all those bytes have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+// TMA: one box of `map` at coordinates (c0 = column, c1 = head, c2 = row) into shared memory
+// at `dst` (1024-byte aligned; the map's 128-byte swizzle writes the panel layout used
+// everywhere here), counted as complete_tx bytes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
 // bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
 // 62-63 swizzle mode (1 = 128 bytes); base offset 0 since every panel is 1024-byte aligned.
@@ -156,6 +195,14 @@ template <int kId>
 __device__ __forceinline__ void named_bar_arrive() {
   asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
 }
+// Named barriers 3-5 are the TMA producer's, for the rare tile it copies with cp.async (a
+// partial one): after every copying thread has fenced its copies, one thread arrives on the
+// full barrier, whose count is 1 in that mode. 3: all 128 producer threads (Q), 4: the K
+// half (warps 0-1), 5: the V half (warps 2-3).
+template <int kId, int kThreadCount>
+__device__ __forceinline__ void producer_bar_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
+}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -178,6 +225,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #define KMLA_ACC8(i)                                                                          \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KMLA_OUT8(i)                                                                          \
+  "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+      "=f"(d[i + 6]), "=f"(d[i + 7])
+#define KMLA_OUT64                                                                        \
+  KMLA_OUT8(0), KMLA_OUT8(8), KMLA_OUT8(16), KMLA_OUT8(24), KMLA_OUT8(32), KMLA_OUT8(40), \
+      KMLA_OUT8(48), KMLA_OUT8(56)
 #define KMLA_ACC64                                                                        \
   KMLA_ACC8(0), KMLA_ACC8(8), KMLA_ACC8(16), KMLA_ACC8(24), KMLA_ACC8(32), KMLA_ACC8(40), \
       KMLA_ACC8(48), KMLA_ACC8(56)
@@ -223,9 +276,61 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
     KMLA_WGMMA_RS("f16");
 #undef KMLA_WGMMA_RS
 }
+// d (64 x 128, fp32) = [d +] A (64 x 16, registers) * B (16 x 128, smem, K-major: 128 rows of
+// k), for S = Q K^T with Q held in registers. kFirst: d is write-only (scale-d 0), so the
+// compiler need not keep the previous tile's S alive up to the first MMA of the next.
+template <class T, bool kFirst>
+__device__ __forceinline__ void wgmma_rs_k_major(float (&d)[64], const uint32_t (&a)[4],
+                                                 uint64_t desc_b) {
+#define KMLA_WGMMA_RSK(TY, ACC, SCALE_D)                                     \
+  asm volatile(                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                         \
+      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KMLA_D64 \
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                        \
+      : ACC                                                                  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(SCALE_D))
+  if constexpr (kFirst) {
+    if constexpr (std::is_same_v<T, bf16>)
+      KMLA_WGMMA_RSK("bf16", KMLA_OUT64, 0);
+    else
+      KMLA_WGMMA_RSK("f16", KMLA_OUT64, 0);
+  } else {
+    if constexpr (std::is_same_v<T, bf16>)
+      KMLA_WGMMA_RSK("bf16", KMLA_ACC64, 1);
+    else
+      KMLA_WGMMA_RSK("f16", KMLA_ACC64, 1);
+  }
+#undef KMLA_WGMMA_RSK
+}
 #undef KMLA_D64
+#undef KMLA_OUT64
 #undef KMLA_ACC64
+#undef KMLA_OUT8
 #undef KMLA_ACC8
+
+// Four 8x8 16-bit matrices from shared memory, one row address per lane (lanes 8i..8i+7 give
+// matrix i's rows); register i of every lane gets its pair of matrix i (the mma.sync layout).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The register A operand of the 12 S k-steps (dims 0..191) for one warp's 16 rows starting at
+// row `row0` of three swizzled 64-dim panels `panel_bytes` apart. k-step kk reads dims
+// 16kk..16kk+15 = chunks 2(kk % 4), +1 of panel kk / 4; lanes 0-7 address rows 0-7 at the
+// first chunk, 8-15 rows 8-15, 16-31 the same rows at the second chunk, which gives the
+// m16n8k16 A fragment order a0..a3.
+__device__ __forceinline__ void load_a_fragments(uint32_t (&qa)[12][4], uint32_t panels,
+                                                 uint32_t panel_bytes, int row0, int lane) {
+  const int row = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int kk = 0; kk < 12; ++kk) {
+    const int chunk = 2 * (kk % 4) + (lane >> 4);
+    ldmatrix_x4(qa[kk], panels + (kk / 4) * panel_bytes + row * kPanelRowBytes +
+                            ((chunk ^ (row & 7)) << 4));
+  }
+}
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -300,6 +405,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 // (K 3 panels, V 2), waits for its own copies, fences them to the async proxy and arrives on
 // `k_full` / `v_full`. So K is refilled while V is still being read, and S of a tile can start
 // while its V is in flight.
+// With `tma` (the default) one thread per half issues a bulk tensor copy per panel instead
+// and arrives with the byte count (partial boxes still go by cp.async, see produce_tma).
 //
 // Warpgroups 1 and 2 (consumers, 232 registers): query rows [64(w-1), 64w) of the block. Per
 // tile: S = Q K^T as 12 wgmma m64n128k16 (Q and K from smem); mask (diagonal and last tile
@@ -316,14 +423,17 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 //
 // kSchedule: 0 in order, 1 overlapped, 2 overlapped with the early rescale of O (a template
 // parameter, not a runtime flag: with a runtime branch between the S and P.V issues, ptxas
-// inserts an extra warpgroup fence (C7519) before the P.V).
+// inserts an extra warpgroup fence (C7519) before the P.V), 3 in order with Q in registers
+// (S by register-A wgmma: 48 KiB less shared-memory reading per tile and CTA).
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_attention_sm90_kernel(const PrefillParams p, float scale_log2, int head_group,
-                                  bool pingpong) {
+    prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
+                                  float scale_log2, int head_group, bool pingpong, bool tma) {
 #if KMLA_SM90_DEVICE
-  constexpr bool kOverlap = kSchedule != 0;
+  constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
+  constexpr bool kQInRegs = kSchedule == 3;  // in order, S = Q K^T with Q from registers
+  static_assert(kSchedule >= 0 && kSchedule <= 3);
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
   __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
   extern __shared__ uint8_t smem_raw[];
@@ -360,15 +470,94 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wtid = tid & 127;
 
   if (tid == 0) {
-    mbar_init(&q_full, 128);
+    // cp.async producer: every copying thread arrives; TMA producer: one arrival per load
+    // (with the bytes expected), or one after a named barrier for a partial tile.
+    mbar_init(&q_full, tma ? 1 : 128);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&k_full[s], 64);  // the K half of the producer
-      mbar_init(&v_full[s], 64);  // the V half
-      mbar_init(&k_empty[s], 256);
-      mbar_init(&v_empty[s], 256);
+      mbar_init(&k_full[s], tma ? 1 : 64);  // the K half of the producer
+      mbar_init(&v_full[s], tma ? 1 : 64);  // the V half
+      mbar_init(&k_empty[s], 8);            // one arrival per consumer warp
+      mbar_init(&v_empty[s], 8);
     }
   }
   __syncthreads();
+
+  // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
+  // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
+  // (48 KiB), K 3 (48 KiB), V 2 (32 KiB). A partial box is copied with cp.async as in the
+  // other producer, because TMA zero-fills only outside the whole tensor: rows past this
+  // sequence would be the next sequence's (or NaN padding), and 0 x NaN in V poisons P.V.
+  // That is at most the last key tile and the last query block of each sequence. The map's
+  // row extent is therefore never what bounds a load, and the host sets it to 2^31.
+  auto produce_tma = [&](int q_valid, int q_row, int k_row0, int keys, int tiles, int h,
+                         const T* q_rows, const T* nope, const T* rope, const T* v) {
+    const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
+    if (q_valid >= kBlockM) {
+      if (wtid == 0) {
+        tma_prefetch_map(&maps.q);
+        tma_prefetch_map(&maps.nope);
+        tma_prefetch_map(&maps.rope);
+        tma_prefetch_map(&maps.v);
+        mbar_arrive_expect_tx(&q_full, kQBytes);
+        for (int pn = 0; pn < 3; ++pn)
+          tma_load_3d(q_smem + pn * kQPanelBytes, &maps.q, 64 * pn, h, q_row, &q_full);
+      }
+    } else {
+      for (int pn = 0; pn < 3; ++pn)
+        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride,
+                                 q_valid, wtid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      producer_bar_sync<3, 128>();
+      if (wtid == 0) mbar_arrive(&q_full);
+    }
+    const bool loads_k = wtid < 64;
+    const int ctid = wtid & 63;
+#pragma unroll 1
+    for (int j = 0; j < tiles; ++j) {
+      const int s = j % kStages;
+      const int key0 = j * kBlockN;
+      const int rows = keys - key0;  // >= 1
+      const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
+      if (j >= kStages)  // the consumers' release of tile j - kStages
+        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
+      if (rows >= kBlockN) {
+        if (ctid == 0) {
+          if (loads_k) {
+            mbar_arrive_expect_tx(&k_full[s], kKBytes);
+            tma_load_3d(k_smem, &maps.nope, 0, h, k_row0 + key0, &k_full[s]);
+            tma_load_3d(k_smem + kKPanelBytes, &maps.nope, 64, h, k_row0 + key0, &k_full[s]);
+            tma_load_3d(k_smem + 2 * kKPanelBytes, &maps.rope, 0, rope_head, k_row0 + key0,
+                        &k_full[s]);
+          } else {
+            mbar_arrive_expect_tx(&v_full[s], kVBytes);
+            tma_load_3d(v_smem, &maps.v, 0, h, k_row0 + key0, &v_full[s]);
+            tma_load_3d(v_smem + kKPanelBytes, &maps.v, 64, h, k_row0 + key0, &v_full[s]);
+          }
+        }
+      } else if (loads_k) {
+        const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
+        copy_panel<kBlockN, 64>(k_smem, nope + key0 * ks, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + key0 * ks + 64, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rope + key0 * rs, rs, rows, ctid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_bar_sync<4, 64>();
+        if (ctid == 0) mbar_arrive(&k_full[s]);
+      } else {
+        const int64_t vs = p.v.row_stride;
+        copy_panel<kBlockN, 64>(v_smem, v + key0 * vs, vs, rows, ctid);
+        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + key0 * vs + 64, vs, rows, ctid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_bar_sync<5, 64>();
+        if (ctid == 0) mbar_arrive(&v_full[s]);
+      }
+    }
+  };
 
   if (wg == 0) {
     // ---- producer ----
@@ -382,6 +571,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                     int64_t(head) * p.k_rope.head_stride;
     const T* v = static_cast<const T*>(p.v.ptr) + int64_t(k_begin) * p.v.row_stride +
                  int64_t(head) * p.v.head_stride;
+    if (tma) {
+      produce_tma(n - q0, q_begin + q0, k_begin, m, num_tiles, head, q_rows, nope, rope, v);
+      return;
+    }
     // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
     for (int pn = 0; pn < 3; ++pn)
       copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride, n - q0,
@@ -428,6 +621,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   const int cw = wg - 1;  // consumer warpgroup 0 or 1
   const int warp = wtid / 32, lane = wtid & 31, g = lane >> 2, t = lane & 3;
+  // Done with a stage's K or V: one arrival per warp (its wgmma reads completed at the
+  // warpgroup's wait).
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
   const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
   const bool wg_active = wg_first < n;
   const int wg_min_limit = key_limit(wg_first, n, m, causal);
@@ -451,6 +650,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sc[64];                               // S, then P in fp32
   uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
   float correction[2];
+  // kQInRegs: this warp's 16 query rows x 192 dims as the register A operand of the 12 S
+  // k-steps (48 registers, loaded once). Affordable only in order: O 64 + S 64 (dead once P
+  // is packed from it) + P 32 + Q 48 stays near 200; the overlapped schedule keeps S and P
+  // alive together and would need ~250.
+  uint32_t qa[kQInRegs ? 12 : 1][4];
 
   // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
   auto issue_s = [&](int j) {
@@ -458,7 +662,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 12; ++kk) {
       const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
-      wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+      if constexpr (kQInRegs) {
+        if (kk == 0)
+          wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + off));
+        else
+          wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + off));
+      } else {
+        wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+      }
     }
     wgmma_commit();
   };
@@ -566,6 +777,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
 
   if (wg_tiles > 0) mbar_wait(&q_full, 0);
+  if constexpr (kQInRegs) {
+    if (wg_tiles > 0) load_a_fragments(qa, q_smem, kQPanelBytes, 64 * cw + 16 * warp, lane);
+  }
   if constexpr (!kOverlap) {
     // Tile by tile: S, softmax, P.V, each waited for before the next.
     for (int j = 0; j < wg_tiles; ++j) {
@@ -575,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_s(j);
       wgmma_wait<0>();
       fence_regs(sc);
-      mbar_arrive(&k_empty[st]);
+      release(&k_empty[st]);
       if (softmax(j)) rescale_o();
       pack_p();
       mbar_wait(&v_full[st], parity(j));
@@ -584,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_pv(j);
       wgmma_wait<0>();
       fence_regs(o);
-      mbar_arrive(&v_empty[st]);
+      release(&v_empty[st]);
     }
   } else if (wg_tiles > 0) {
     // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
@@ -602,7 +816,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end(0);
     wgmma_wait<0>();
     fence_regs(sc);
-    mbar_arrive(&k_empty[0]);
+    release(&k_empty[0]);
     softmax(0);  // O is zero: no rescale
     pack_p();
     for (int j = 1; j < wg_tiles; ++j) {
@@ -623,11 +837,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_end(j);
       wgmma_wait<1>();  // groups complete in order: S of tile j is done
       fence_regs(sc);
-      mbar_arrive(&k_empty[st]);
+      release(&k_empty[st]);
       const bool moved = softmax(j);
       wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
       fence_regs(o);
-      mbar_arrive(&v_empty[prev]);
+      release(&v_empty[prev]);
       if constexpr (early_rescale)
         pending = moved;
       else if (moved)
@@ -645,16 +859,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     turn_end(wg_tiles);
     wgmma_wait<0>();
     fence_regs(o);
-    mbar_arrive(&v_empty[last % kStages]);
+    release(&v_empty[last % kStages]);
   }
   // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
   // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
   for (int j = wg_tiles; j < num_tiles; ++j) {
     const int st = j % kStages;
     mbar_wait(&k_full[st], parity(j));
-    mbar_arrive(&k_empty[st]);
+    release(&k_empty[st]);
     mbar_wait(&v_full[st], parity(j));
-    mbar_arrive(&v_empty[st]);
+    release(&v_empty[st]);
   }
 
   // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
@@ -679,8 +893,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p;
-  (void)scale_log2, (void)head_group, (void)pingpong;
+  (void)p, (void)maps;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
 #endif
 }
 
@@ -690,10 +904,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // [64, 128] through the accumulator layout; then P = S rounded to T as the register operand,
 // O = P v by 8 wgmma_rs with the MN-major descriptor, written to o_out [64, 128].
 // swap_v_strides exchanges the V descriptor's two byte offsets: a diagnostic for the tests.
+// a_in_registers computes S as the Q-in-registers schedule does: a loaded by load_a_fragments,
+// 12 register-A wgmma against the same K descriptors.
 template <class T>
 __global__ void __launch_bounds__(128)
     prefill_sm90_probe_kernel(const T* a, const T* k, const T* v, float* s_out, float* o_out,
-                              bool swap_v_strides) {
+                              bool swap_v_strides, bool a_in_registers) {
 #if KMLA_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -711,19 +927,33 @@ __global__ void __launch_bounds__(128)
   fence_proxy_async();
   __syncthreads();
 
+  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   float sc[64];
-  wgmma_fence();
+  if (a_in_registers) {
+    uint32_t qa[12][4];
+    load_a_fragments(qa, a_smem, 64 * kPanelRowBytes, 16 * warp, lane);
+    wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kQkDim / 16; ++kk) {
-    const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
-    const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
-    wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
+    for (int kk = 0; kk < kQkDim / 16; ++kk) {
+      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+      if (kk == 0)
+        wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + k_off));
+      else
+        wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + k_off));
+    }
+  } else {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQkDim / 16; ++kk) {
+      const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
+      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+      wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
+    }
   }
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(sc);
 
-  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r = 16 * warp + g;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -755,7 +985,7 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < 4; ++e)
       o_out[(r + 8 * (e >> 1)) * kVDim + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides;
+  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides, (void)a_in_registers;
 #endif
 }
 
@@ -786,6 +1016,60 @@ bool sm90_kernel_runs_on(int device) {
   return a == 2;
 }
 
+// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                     cudaEnableDefault, &found));
+    KMLA_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
+               "prefill_attention_sm90: the driver has no cuTensorMapEncodeTiled (status ",
+               int(found), ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one
+// panel's 64 columns x 128 rows, 128-byte swizzle. A shared operand (head_stride 0) gets a
+// heads extent of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads
+// only boxes that lie inside a sequence (see produce_tma), so it never bounds a load; cu_k's
+// total is on the device and stays there.
+void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads, DType act,
+                        const char* name) {
+  const bool shared = o.head_stride == 0;
+  const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
+                              cuuint64_t(1) << 31};
+  // Byte strides of dims 1 and 2 (multiples of 16: prefill_attention's validation asks for
+  // 16-byte rows and heads). A heads extent of 1 takes the row stride as its (unused) stride.
+  const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride) * 2,
+                                 cuuint64_t(o.row_stride) * 2};
+  const cuuint32_t box[3] = {64, 1, kBlockN};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, const_cast<void*>(o.ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KMLA_CHECK(r == CUDA_SUCCESS, "prefill_attention_sm90: cuTensorMapEncodeTiled failed for ", name,
+             " (CUresult ", int(r), ", row_stride ", o.row_stride, ", head_stride ", o.head_stride,
+             ")");
+}
+
+// Whether the TMA producer can describe the operands: positive row strides, head strides
+// positive (k_rope: or 0, shared by all heads, which its map handles), all below the encoder's
+// 2^40-byte limit. The validation allows more (any multiple of 8 elements, negative too); such
+// layouts run the cp.async producer instead of failing.
+bool tma_supports(const PrefillParams& p) {
+  constexpr int64_t kMaxStride = (int64_t(1) << 40) / 2;  // elements of 2 bytes
+  auto ok = [&](const Operand& o, bool may_share) {
+    return o.row_stride > 0 && o.row_stride < kMaxStride &&
+           (o.head_stride > 0 || (may_share && o.head_stride == 0)) && o.head_stride < kMaxStride;
+  };
+  return ok(p.q, false) && ok(p.k_nope, false) && ok(p.k_rope, true) && ok(p.v, false);
+}
+
 }  // namespace
 
 bool prefill_sm90_supported(const PrefillParams& p) {
@@ -803,21 +1087,35 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
+  const bool tma = opt.tma && tma_supports(p);
+  Sm90Maps maps;
+  std::memset(&maps, 0, sizeof(maps));
+  if (tma) {
+    // Host work only (no device call): graph capture records the maps with the launch.
+    encode_operand_map(&maps.q, p.q, kQkDim, p.heads, p.act, "q");
+    encode_operand_map(&maps.nope, p.k_nope, kNopeDim, p.heads, p.act, "k_nope");
+    encode_operand_map(&maps.rope, p.k_rope, kRopeDim, p.heads, p.act, "k_rope");
+    encode_operand_map(&maps.v, p.v, kVDim, p.heads, p.act, "v");
+  }
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
+    auto* kernel = !opt.overlap        ? (opt.q_in_registers ? prefill_attention_sm90_kernel<T, 3>
+                                                             : prefill_attention_sm90_kernel<T, 0>)
                    : opt.early_rescale ? prefill_attention_sm90_kernel<T, 2>
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
     const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
                     unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, scale_log2, head_group, opt.pingpong);
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
+                                                   tma);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
-                        float* o_out, cudaStream_t stream, bool swap_v_strides) {
+                        float* o_out, cudaStream_t stream, bool swap_v_strides,
+                        bool a_in_registers) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16,
              "prefill_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
   constexpr int kProbeSmem = 3 * 64 * kPanelRowBytes + kKBytes + kVBytes + 1024;
@@ -826,7 +1124,8 @@ void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, 
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
     kernel<<<1, 128, kProbeSmem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(k),
-                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides);
+                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides,
+                                           a_in_registers);
     KMLA_LAUNCH_CHECK();
   });
 }
