@@ -16,6 +16,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "cuda/decode_sm90.cuh"
@@ -141,6 +143,16 @@ __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int 
 
 #endif  // KMLA_SM90A
 
+// Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
+// passed by value: uniform branches, no extra instantiations.
+struct KernelFlags {
+  bool skip_rescale;
+  bool line_loads;
+  // Timing only, results are wrong (KMLA_DECODE_SM90_PROFILE): 1 = no key loads after the
+  // first two tiles (the loop's compute alone), 2 = no MMAs or softmax (its loads alone).
+  int profile;
+};
+
 // ---- the kernel ---------------------------------------------------------------------
 // Grid (as the mma.sync kernel's for 64-row tiles): x = 64-row tile of the request's
 // (token * heads + head) rows, y = KV split, z = request. One CTA per SM (smem above).
@@ -167,7 +179,8 @@ __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int 
 // once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
 // flagged in key_ok, which masks it.
 template <class T>
-__global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_u32 = smem_u32(smem_raw);
@@ -226,6 +239,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     const int pos = key0 + tile * kKeys + my_key;
     return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
   };
+  // With flags.line_loads the thread still resolves the source of key my_key (threads 4k ..
+  // 4k + 3 of a warp share one), but warp w copies the 576 chunks of keys 8w .. 8w + 7 in
+  // linear order, lane l taking chunk l + 32 j: 32 consecutive chunks (512 bytes of at most
+  // two key rows) per instruction instead of 4 chunks of 8 rows. The row's source address and
+  // flag come from the lane that resolved it (4 (key - 8 w) + 0) by shuffle.
   auto issue = [&](int tile, int block) {
     const int stage = tile & 1;
     const int pos = key0 + tile * kKeys + my_key;
@@ -241,9 +259,23 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     }
     if (my_part == 0) key_ok_s[stage * kKeys + my_key] = ok;
     const uint32_t dst = base + kKOff + stage * kTileBytes;
+    if (flags.line_loads) {
+      const int lane_id = tid & 31, key_base = tid & ~31;  // first key of my warp: 8 w
+      const uint64_t src_bits = reinterpret_cast<uint64_t>(src);
 #pragma unroll 2
-    for (int c = my_part; c < kRowChunks; c += 4)
-      cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
+      for (int j = 0; j < 8 * kRowChunks / 32; ++j) {
+        const int f = lane_id + 32 * j, k = f / kRowChunks, c = f - k * kRowChunks;
+        const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(src_bits), 4 * k);
+        const uint32_t hi = __shfl_sync(0xffffffffu, uint32_t(src_bits >> 32), 4 * k);
+        const bool row_ok = __shfl_sync(0xffffffffu, int(ok), 4 * k) != 0;
+        const auto* row_src = reinterpret_cast<const std::byte*>(uint64_t(hi) << 32 | lo);
+        cp_async16(dst + tile_offset(key_base / 4 + k, c), row_src + c * 16, row_ok);
+      }
+    } else {
+#pragma unroll 2
+      for (int c = my_part; c < kRowChunks; c += 4)
+        cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
+    }
   };
 
   int next_block = fetch_block(0);
@@ -269,12 +301,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     cp_async_wait_all();  // my copies of this tile (and of Q) have landed
     fence_proxy_async();  // ... and are visible to the wgmma reads that follow
     __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
-    if (tile + 1 < ntiles) {  // into the stage of tile - 1
+    if (tile + 1 < ntiles && (flags.profile != 1 || tile < 1)) {  // into tile - 1's stage
       const int b = next_block;
       next_block = fetch_block(tile + 2);
       issue(tile + 1, b);
     }
     cp_async_commit();
+    if (flags.profile == 2) continue;
     const int stage = tile & 1;
     const uint32_t kt = base + kKOff + stage * kTileBytes;
 
@@ -313,6 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     const float tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
     const float tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
     const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+    const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
     // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
     const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
     const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
@@ -333,12 +367,17 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     m_hi = mnew_hi;
     store_p<T>(smem + kPOff, s, wg, warp, g, t);
     fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+    // Once the running maxima settle (after a few tiles on most rows) corr is 1 and the 128
+    // multiplications change nothing (2^0 is exactly 1; a row without keys yet has O = 0): a
+    // warp skips them when none of its rows' max moved. Warp-uniform, so no divergence.
+    if (!flags.skip_rescale || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[4 * i] *= corr_lo;
-      o[4 * i + 1] *= corr_lo;
-      o[4 * i + 2] *= corr_hi;
-      o[4 * i + 3] *= corr_hi;
+      for (int i = 0; i < 32; ++i) {
+        o[4 * i] *= corr_lo;
+        o[4 * i + 1] *= corr_lo;
+        o[4 * i + 2] *= corr_hi;
+        o[4 * i + 3] *= corr_hi;
+      }
     }
     named_barrier(2, kThreads);  // both halves of P are in
 
@@ -484,11 +523,51 @@ bool sm90_kernel_runs_on(int device) {
   return known == 2;
 }
 
+// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
+bool env_switch(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
+             " must be 0 or 1, got '", env, "'");
+  return env[0] == '1';
+}
+
+// The options of every launch: the environment's (read on first use), or a test's.
+DecodeSm90Options& current_options() {
+  static DecodeSm90Options opt = [] {
+    DecodeSm90Options o;
+    o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
+    o.line_loads = env_switch("KMLA_DECODE_SM90_LINE_LOADS", o.line_loads);
+    return o;
+  }();
+  return opt;
+}
+
+// KMLA_DECODE_SM90_PROFILE=compute|loads (read once): timing only, the results are wrong.
+// "compute" stops loading keys after the first two tiles, "loads" skips the MMAs and the
+// softmax, so the two timings bound what the compute and the copies each take per tile.
+int profile_mode() {
+  static const int mode = [] {
+    const char* env = std::getenv("KMLA_DECODE_SM90_PROFILE");
+    if (env == nullptr || *env == '\0') return 0;
+    if (std::strcmp(env, "compute") == 0) return 1;
+    if (std::strcmp(env, "loads") == 0) return 2;
+    KMLA_CHECK(false, "KMLA_DECODE_SM90_PROFILE must be compute or loads, got '", env, "'");
+    return 0;
+  }();
+  return mode;
+}
+
 }  // namespace
+
+DecodeSm90Options decode_sm90_options() { return current_options(); }
+void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o; }
 
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
-  if (int64_t(p.heads) * plan.max_query_len < kRows) return false;
+  // 33-63 rows still take a 64-row tile in plan_decode; the kernel masks the missing rows,
+  // and even a 25 %-empty wgmma tile beats the mma.sync kernel there.
+  if (int64_t(p.heads) * plan.max_query_len <= kRows / 2) return false;
   const CacheFormat f = p.cache.format;
   if (p.q_fp8 || !(f == CacheFormat::bf16 || f == CacheFormat::fp16)) return false;
   int device = 0;
@@ -503,7 +582,9 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(a);
+    const DecodeSm90Options& o = current_options();
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
+        a, KernelFlags{o.skip_rescale, o.line_loads, profile_mode()});
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -14,9 +14,24 @@ inline constexpr int kDecodeSm90Rows = 64;
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
-// tiles with at least 64 rows per request (heads x max_query_len), a 16-bit cache and 16-bit
-// queries (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
+// tiles with more than 32 rows per request (heads x max_query_len; a tile of 33-63 rows masks
+// the missing ones), a 16-bit cache and 16-bit queries (the fp8 formats stay on the mma.sync
+// kernel). Cached per device: no sync.
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
+
+// Variants of the wgmma kernel that change its speed, never its result (A/B timing). The
+// defaults come from the environment, read once per process:
+//   KMLA_DECODE_SM90_SKIP_RESCALE=0|1  skip the O rescale of a warp whose rows' running max
+//                                      did not move (exact; default 1)
+//   KMLA_DECODE_SM90_LINE_LOADS=0|1    a warp copies 32 consecutive 16-byte chunks of the
+//                                      tile per instruction (0: 8 keys x 4 chunks; default 0)
+// Tests set them through decode_sm90_set_options to run every variant.
+struct DecodeSm90Options {
+  bool skip_rescale = true;
+  bool line_loads = false;
+};
+DecodeSm90Options decode_sm90_options();
+void decode_sm90_set_options(const DecodeSm90Options& o);
 
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
 // (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
