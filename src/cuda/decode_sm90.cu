@@ -20,6 +20,9 @@
 #include <cstring>
 #include <limits>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "cuda/decode_sm90.cuh"
 #include "cuda/sm90.cuh"
 
@@ -151,6 +154,9 @@ struct KernelFlags {
   // Timing only, results are wrong (KMLA_DECODE_SM90_PROFILE): 1 = no key loads after the
   // first two tiles (the loop's compute alone), 2 = no MMAs or softmax (its loads alone).
   int profile;
+  // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
+  // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
+  int tma_keys;
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -178,10 +184,23 @@ struct KernelFlags {
 // 16 B) of one key row per tile, after one block-table lookup; Q takes 18 chunks per thread
 // once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
 // flagged in key_ok, which masks it.
+//
+// TMA copies (flags.tma_keys = G > 0): warp 0 issues each tile: lane j < 64 / G looks up the
+// block of keys [G j, G j + G) (one block, since G divides the block size and every tile
+// starts at a multiple of 64), and if that block id is good, 9 tensor copies of G rows x 64
+// columns, one per panel; lane 0 first announces the tile's bytes on the stage's mbarrier,
+// which every thread waits on instead of its own cp.async groups. Copies of whole groups
+// also bring rows past key1 (cache slots past the sequence: any bytes, NaN included), and
+// groups behind a bad block id are not copied at all (the stage keeps an older tile), so a
+// tile with any key not ok is fixed before use: its V columns (panels 0-7) are zeroed on
+// those rows (P is 0 there, and 0 x NaN would be NaN); S is masked by selection anyway.
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags) {
+    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
+                       const __grid_constant__ CUtensorMap kmap) {
 #if KMLA_SM90A
+  __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
+  __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_u32 = smem_u32(smem_raw);
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
@@ -278,13 +297,71 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  int next_block = fetch_block(0);
+  // TMA: lane j of warp 0 takes keys [G j, G j + G) of every tile (see above the kernel).
+  const int tma_keys = flags.tma_keys;
+  const bool tma = tma_keys > 0;
+  const int lane_c = tid & 31;
+  auto fetch_group = [&](int tile) -> int {
+    const int pos = key0 + tile * kKeys + tma_keys * lane_c;
+    return tid < 32 && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
+               ? table[pos / a.block_size]
+               : -1;
+  };
+  auto issue_tma = [&](int tile, int block) {  // warp 0 only
+    const int stage = tile & 1;
+    const int pos = key0 + tile * kKeys + tma_keys * lane_c;
+    const bool any = tma_keys * lane_c < kKeys && pos < key1;
+    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
+    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
+    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
+    bool all_ok = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = lane_c + 32 * h;
+      const bool ok = (good_groups >> (k / tma_keys) & 1u) && key0 + tile * kKeys + k < key1;
+      key_ok_s[stage * kKeys + k] = ok;
+      all_ok = all_ok && ok;
+    }
+    const bool fix = !__all_sync(0xffffffffu, all_ok);
+    if (lane_c == 0) {
+      fix_s[stage] = fix;
+      mbar_arrive_expect_tx(&full_bar[stage],
+                            uint32_t(__popc(good_groups) * tma_keys * kRowBytes));
+    }
+    __syncwarp();  // the bytes are announced before any copy can complete
+    if (good) {
+      const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
+#pragma unroll 1
+      for (int pn = 0; pn < kPanels; ++pn)
+        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size, block,
+                    &full_bar[stage]);
+    }
+  };
+  auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
+  auto issue_any = [&](int tile, int block) {
+    if (!tma)
+      issue(tile, block);
+    else if (tid < 32)
+      issue_tma(tile, block);
+  };
+  // Which tiles get loaded at all (the "compute" profile stops after tile 1).
+  auto loaded = [&](int tile) { return flags.profile != 1 || tile < 2; };
+
+  if (tma) {
+    if (tid == 0) {
+      mbar_init(&full_bar[0], 1);
+      mbar_init(&full_bar[1], 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+  int next_block = fetch(0);
   if (ntiles > 0) {
     const int b = next_block;
-    next_block = fetch_block(1);
-    issue(0, b);
+    next_block = fetch(1);
+    issue_any(0, b);
   }
-  cp_async_commit();  // group: Q and tile 0
+  cp_async_commit();  // group: Q (and tile 0 without TMA)
 
   // ---- per-thread state: rows lo = 16 warp + g and hi = lo + 8 of the tile ----
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
@@ -298,18 +375,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t p_s = base + kPOff;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
-    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
-    __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
-    if (tile + 1 < ntiles && (flags.profile != 1 || tile < 1)) {  // into tile - 1's stage
-      const int b = next_block;
-      next_block = fetch_block(tile + 2);
-      issue(tile + 1, b);
-    }
-    cp_async_commit();
-    if (flags.profile == 2) continue;
     const int stage = tile & 1;
     const uint32_t kt = base + kKOff + stage * kTileBytes;
+    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
+    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
+    if (tma && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
+    if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
+      const int b = next_block;
+      next_block = fetch(tile + 2);
+      issue_any(tile + 1, b);
+    }
+    cp_async_commit();
+    if (tma && fix_s[stage]) {
+      // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
+      for (int i = tid; i < kKeys * 64; i += kThreads) {
+        const int key = i >> 6, c = i & 63;
+        if (!key_ok_s[stage * kKeys + key])
+          *reinterpret_cast<uint4*>(smem + kKOff + stage * kTileBytes + tile_offset(key, c)) =
+              make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      __syncthreads();
+    }
+    if (flags.profile == 2) continue;
 
     // ---- S half ----
     wgmma_fence();
@@ -538,6 +627,7 @@ DecodeSm90Options& current_options() {
     DecodeSm90Options o;
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
     o.line_loads = env_switch("KMLA_DECODE_SM90_LINE_LOADS", o.line_loads);
+    o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     return o;
   }();
   return opt;
@@ -556,6 +646,50 @@ int profile_mode() {
     return 0;
   }();
   return mode;
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up
+// on first use.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                     cudaEnableDefault, &status));
+    KMLA_CHECK(status == cudaDriverEntryPointSuccess && f != nullptr,
+               "decode_sm90: the driver has no cuTensorMapEncodeTiled (status ", int(status), ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The key-group size of the TMA copies for this cache: the largest of 64, 32, 16, 8 keys that
+// divides the block size (a group then never crosses a block), 0 if none does (cp.async).
+int tma_group_keys(int block_size) {
+  for (int g = kKeys; g >= 8; g /= 2)
+    if (block_size % g == 0) return g;
+  return 0;
+}
+
+// The paged cache as a 3-D tensor [num_blocks][block_size][576] of T (block stride in bytes
+// from the caller, rows 1152 bytes apart), read in boxes of `group` rows x 64 columns into
+// 128-byte-swizzled panels. Encoded on the host for every launch (no device work, graph safe).
+CUtensorMap cache_tensor_map(const DecodeArgs& a, DType act, int group) {
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {cuuint64_t(kLatentDim), cuuint64_t(a.block_size),
+                              cuuint64_t(a.num_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(kRowBytes), cuuint64_t(a.block_stride)};
+  const cuuint32_t box[3] = {cuuint32_t(kPanelElems), cuuint32_t(group), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, const_cast<std::byte*>(a.cache_base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KMLA_CHECK(r == CUDA_SUCCESS, "decode_sm90: cuTensorMapEncodeTiled failed (", int(r),
+             ") for block size ", a.block_size, ", block stride ", a.block_stride, ", ",
+             a.num_blocks, " blocks");
+  return map;
 }
 
 }  // namespace
@@ -583,8 +717,10 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
     const DecodeSm90Options& o = current_options();
+    const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
+    const CUtensorMap kmap = group > 0 ? cache_tensor_map(a, act, group) : CUtensorMap{};
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, o.line_loads, profile_mode()});
+        a, KernelFlags{o.skip_rescale, o.line_loads, profile_mode(), group}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -25,10 +25,13 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      did not move (exact; default 1)
 //   KMLA_DECODE_SM90_LINE_LOADS=0|1    a warp copies 32 consecutive 16-byte chunks of the
 //                                      tile per instruction (0: 8 keys x 4 chunks; default 0)
+//   KMLA_DECODE_SM90_TMA=0|1           key tiles by bulk tensor copies (TMA) where the block
+//                                      size is a multiple of 8 (else cp.async; default 0)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool line_loads = false;
+  bool tma = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

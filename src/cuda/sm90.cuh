@@ -83,6 +83,34 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Arrives on `bar` and raises its transaction count by `bytes` in one step: the phase then
+// completes only when the bulk copies that signal `bar` have delivered that many bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+          smem_u32(bar)),
+      "r"(bytes)
+      : "memory");
+}
+// Makes mbarrier.init of this thread visible to the async proxy (bulk copies signalling it).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// ---- bulk tensor copies (TMA) ----------------------------------------------------------
+// One box of the 3-D tensor map `map` (a __grid_constant__ kernel parameter) at coordinates
+// (c0, c1, c2), innermost first, into shared memory at `dst`; completion is signalled to
+// `bar` as transaction bytes. With a 128-byte swizzled map and `dst` 1024-byte aligned the
+// box lands in the panel layout above.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // ---- wgmma matrix descriptors ---------------------------------------------------------
 // PTX "matrix descriptor": bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
 // >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1 = 128 B). The base

@@ -244,8 +244,10 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   };
   std::vector<Variant> variants = {{"default", saved}};
   if (expect_sm90()) {
-    variants.push_back({"no rescale skip", {false, false}});
-    variants.push_back({"line loads", {true, true}});
+    variants.push_back({"no rescale skip", {false, false, false}});
+    variants.push_back({"line loads", {true, true, false}});
+    // Block sizes that are multiples of 8 take TMA copies (100 stays on cp.async).
+    variants.push_back({"tma", {true, false, true}});
   }
   std::vector<std::pair<Variant, PlanTweak>> runs;
   for (const Variant& v : variants)
@@ -419,8 +421,8 @@ TEST(CudaDecodeSm90, SpeculativeCausal48Rows) {
   run_case(c, kSm90Tweaks);
 }
 
-// The least rows the kernel takes (33: one token of 33 heads, 31 rows masked) and an odd
-// 55-row tile (11 heads x 5 causal tokens), block size 64.
+// The least rows the kernel takes (33: one token of 33 heads, 31 rows masked; block size 64)
+// and an odd 55-row tile (11 heads x 5 causal tokens; block size 8).
 TEST(CudaDecodeSm90, FewRowsOddHeads) {
   KMLA_REQUIRE_GPU();
   DecodeCase c;
@@ -431,6 +433,7 @@ TEST(CudaDecodeSm90, FewRowsOddHeads) {
   c.seed = 33;
   run_case(c, kSm90Tweaks);
   c.heads = 11;
+  c.block_size = 8;  // TMA groups of 8 keys, 8 blocks per 64-key tile
   c.seq_lens = {5, 6, 64, 68, 0, 1500};
   c.query_lens = {5, 5, 5, 4, 0, 5};
   c.seed = 34;
@@ -438,7 +441,7 @@ TEST(CudaDecodeSm90, FewRowsOddHeads) {
 }
 
 // The DSpark draft: 8 heads x 8 non-causal tokens = one full 64-row tile per request, every
-// token sees the whole sequence; lengths just off the tile boundaries, block size 64.
+// token sees the whole sequence; lengths just off the tile boundaries, block sizes 64, 32.
 TEST(CudaDecodeSm90, DraftNonCausal64Rows) {
   KMLA_REQUIRE_GPU();
   DecodeCase c;
@@ -448,6 +451,9 @@ TEST(CudaDecodeSm90, DraftNonCausal64Rows) {
   c.seq_lens = {8, 63, 64, 65, 127, 128, 129, 3000};
   c.query_lens = {8, 8, 8, 8, 8, 8, 8, 8};
   c.seed = 35;
+  run_case(c, kSm90Tweaks);
+  c.block_size = 32;  // TMA groups of 32 keys
+  c.seed = 36;
   run_case(c, kSm90Tweaks);
 }
 
