@@ -55,7 +55,8 @@ static_assert(kRows == 64 && kKeys == 64 && kLatentDim == 576 && kKvLoraRank == 
 //   red_max    [229,376, 229,888)  [2 warpgroups][64 rows] fp32 tile maxima of S halves
 //   red_sum    [229,888, 230,400)  [2][64] fp32 row sums at the end
 //   key_ok     [230,400, 230,528)  [2 stages][64 keys] u8: key loaded (in split, good block)
-// total 230,528 B + 1,024 alignment slack = 231,552 <= 232,448 (227 KB opt-in per block).
+// total 230,528 B + 1,024 alignment slack = 231,552, plus 32 B of static shared memory (TMA
+// mbarriers and fix flags): 231,584 <= 232,448 (227 KB opt-in per block).
 [[maybe_unused]] constexpr int kQOff = 0;
 constexpr int kKOff = kTileBytes;
 constexpr int kPOff = kKOff + 2 * kTileBytes;
@@ -150,7 +151,6 @@ __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int 
 // passed by value: uniform branches, no extra instantiations.
 struct KernelFlags {
   bool skip_rescale;
-  bool line_loads;
   // Timing only, results are wrong (KMLA_DECODE_SM90_PROFILE): 1 = no key loads after the
   // first two tiles (the loop's compute alone), 2 = no MMAs or softmax (its loads alone).
   int profile;
@@ -258,11 +258,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int pos = key0 + tile * kKeys + my_key;
     return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
   };
-  // With flags.line_loads the thread still resolves the source of key my_key (threads 4k ..
-  // 4k + 3 of a warp share one), but warp w copies the 576 chunks of keys 8w .. 8w + 7 in
-  // linear order, lane l taking chunk l + 32 j: 32 consecutive chunks (512 bytes of at most
-  // two key rows) per instruction instead of 4 chunks of 8 rows. The row's source address and
-  // flag come from the lane that resolved it (4 (key - 8 w) + 0) by shuffle.
   auto issue = [&](int tile, int block) {
     const int stage = tile & 1;
     const int pos = key0 + tile * kKeys + my_key;
@@ -278,23 +273,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (my_part == 0) key_ok_s[stage * kKeys + my_key] = ok;
     const uint32_t dst = base + kKOff + stage * kTileBytes;
-    if (flags.line_loads) {
-      const int lane_id = tid & 31, key_base = tid & ~31;  // first key of my warp: 8 w
-      const uint64_t src_bits = reinterpret_cast<uint64_t>(src);
 #pragma unroll 2
-      for (int j = 0; j < 8 * kRowChunks / 32; ++j) {
-        const int f = lane_id + 32 * j, k = f / kRowChunks, c = f - k * kRowChunks;
-        const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(src_bits), 4 * k);
-        const uint32_t hi = __shfl_sync(0xffffffffu, uint32_t(src_bits >> 32), 4 * k);
-        const bool row_ok = __shfl_sync(0xffffffffu, int(ok), 4 * k) != 0;
-        const auto* row_src = reinterpret_cast<const std::byte*>(uint64_t(hi) << 32 | lo);
-        cp_async16(dst + tile_offset(key_base / 4 + k, c), row_src + c * 16, row_ok);
-      }
-    } else {
-#pragma unroll 2
-      for (int c = my_part; c < kRowChunks; c += 4)
-        cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
-    }
+    for (int c = my_part; c < kRowChunks; c += 4)
+      cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
   // TMA: lane j of warp 0 takes keys [G j, G j + G) of every tile (see above the kernel).
@@ -626,7 +607,6 @@ DecodeSm90Options& current_options() {
   static DecodeSm90Options opt = [] {
     DecodeSm90Options o;
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
-    o.line_loads = env_switch("KMLA_DECODE_SM90_LINE_LOADS", o.line_loads);
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     return o;
   }();
@@ -720,7 +700,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
     const CUtensorMap kmap = group > 0 ? cache_tensor_map(a, act, group) : CUtensorMap{};
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, o.line_loads, profile_mode(), group}, kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }
