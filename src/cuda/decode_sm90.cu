@@ -629,16 +629,16 @@ int profile_mode() {
 }
 
 // cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up
-// on first use.
+// on first use; null if the driver lacks it (the kernel then copies with cp.async).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
-                                                     cudaEnableDefault, &status));
-    KMLA_CHECK(status == cudaDriverEntryPointSuccess && f != nullptr,
-               "decode_sm90: the driver has no cuTensorMapEncodeTiled (status ", int(status), ")");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                           cudaEnableDefault, &status);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky; clear it
+    const bool found = e == cudaSuccess && status == cudaDriverEntryPointSuccess && f != nullptr;
+    return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f) : nullptr;
   }();
   return fn;
 }
@@ -654,25 +654,41 @@ int tma_group_keys(int block_size) {
 // The paged cache as a 3-D tensor [num_blocks][block_size][576] of T (block stride in bytes
 // from the caller, rows 1152 bytes apart), read in boxes of `group` rows x 64 columns into
 // 128-byte-swizzled panels. Encoded on the host for every launch (no device work, graph safe).
-CUtensorMap cache_tensor_map(const DecodeArgs& a, DType act, int group) {
-  CUtensorMap map{};
+// False if the driver cannot encode it (a caller-owned cache of unusual geometry, an old
+// driver): the launch then takes cp.async, which is slower but computes the same.
+bool cache_tensor_map(const DecodeArgs& a, DType act, int group, CUtensorMap& map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(kLatentDim), cuuint64_t(a.block_size),
                               cuuint64_t(a.num_blocks)};
   const cuuint64_t strides[2] = {cuuint64_t(kRowBytes), cuuint64_t(a.block_stride)};
   const cuuint32_t box[3] = {cuuint32_t(kPanelElems), cuuint32_t(group), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
+  const CUresult r = encode(
       &map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       3, const_cast<std::byte*>(a.cache_base), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  KMLA_CHECK(r == CUDA_SUCCESS, "decode_sm90: cuTensorMapEncodeTiled failed (", int(r),
-             ") for block size ", a.block_size, ", block stride ", a.block_stride, ", ",
-             a.num_blocks, " blocks");
-  return map;
+  return r == CUDA_SUCCESS;
+}
+
+// The key-group size the launch copies with (0: cp.async), and the tensor map for it.
+int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map) {
+  const int group = current_options().tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
+  return group > 0 && cache_tensor_map(a, act, group, map) ? group : 0;
 }
 
 }  // namespace
+
+int decode_sm90_tma_keys(const DecodeParams& p) {
+  DecodeArgs a{};
+  a.cache_base = p.cache.base;
+  a.block_stride = p.cache.block_stride;
+  a.num_blocks = p.cache.num_blocks;
+  a.block_size = p.cache.block_size;
+  CUtensorMap map{};
+  return tma_keys_for(a, p.act, map);
+}
 
 DecodeSm90Options decode_sm90_options() { return current_options(); }
 void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o; }
@@ -697,8 +713,8 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
     const DecodeSm90Options& o = current_options();
-    const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
-    const CUtensorMap kmap = group > 0 ? cache_tensor_map(a, act, group) : CUtensorMap{};
+    CUtensorMap kmap{};
+    const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
         a, KernelFlags{o.skip_rescale, profile_mode(), group}, kmap);
     KMLA_LAUNCH_CHECK();

@@ -34,6 +34,11 @@ struct DecodeSm90Options {
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
 
+// How many keys per bulk tensor copy a launch for `p` under the current options would use:
+// 8-64, or 0 for cp.async (TMA off, a block size not a multiple of 8, or a cache geometry
+// the driver cannot encode; all compute the same). For tests and diagnostics.
+int decode_sm90_tma_keys(const DecodeParams& p);
+
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
 // (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
 // a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for the combine.

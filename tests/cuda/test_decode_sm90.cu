@@ -261,8 +261,15 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     plan.workspace_bytes = std::max(
         plan.workspace_bytes,
         size_t(R) * max_qlen * H * plan.num_splits * (kKvLoraRank + 1) * sizeof(float) + 512);
-    // The point of this file: these plans must take the wgmma kernel on an sm_90 GPU.
-    if (expect_sm90()) EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
+    // The point of this file: these plans must take the wgmma kernel on an sm_90 GPU, and
+    // the TMA variant must really copy by TMA where the block size allows it.
+    if (expect_sm90()) {
+      EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
+      int want = 0;  // the largest of 64, 32, 16, 8 keys dividing the block size
+      for (int g = 64; variant.opt.tma && g >= 8 && want == 0; g /= 2)
+        if (bs % g == 0) want = g;
+      EXPECT_EQ(decode_sm90_tma_keys(p), want) << variant.name;
+    }
     SCOPED_TRACE(::testing::Message() << variant.name << ", splits " << plan.num_splits
                                       << ", rows_per_cta "
                                       << plan.rows_per_cta << (plan.deep_pipeline ? ", deep" : "")
