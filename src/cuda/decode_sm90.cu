@@ -131,18 +131,32 @@ __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t
 // T into the P panel: row 16 warp + g (+ 8), key 32 wg + 8 i + 2 t (+ 1) -> chunk 4 wg + i.
 // For a fixed i the 32 lanes write 8 rows x 4 words; the swizzle puts the 8 rows on 8
 // different chunk columns, so the 32 stores hit 32 different banks.
-template <class T>
-__device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int wg, int warp,
+// With NB = 8 (the wide S of one warpgroup, wg = 0) the same for all 64 keys, chunk i.
+template <class T, int NB = 4>
+__device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[4 * NB], int wg, int warp,
                                         int g, int t) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < NB; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * warp + g + 8 * h;
-      *reinterpret_cast<uint32_t*>(p_s + swizzle128(row, 4 * wg + i) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(p_s + swizzle128(row, NB * wg + i) + 4 * t) =
           pack2<T>(p[4 * i + 2 * h], p[4 * i + 2 * h + 1]);
     }
   }
+}
+
+// The wide S of one warpgroup: s (64 rows x all 64 keys of the tile at kt) = Q K^T, 36
+// wgmma m64n64k16. Each k-step reads 2 KB of Q and 2 KB of K for 64 x 64 x 16 MACs, where the
+// two m64n32 halves read Q twice (6 KB): a third less shared-memory traffic for S.
+template <class T>
+__device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint32_t kt) {
+#pragma unroll
+  for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * kPanelBytes + (kk & 3) * 32;
+    wgmma_ss_m64n64k16<T, false>(s, desc_k_major(q_s + off), desc_k_major(kt + off), kk > 0);
+  }
+  wgmma_commit();
 }
 
 #endif  // KMLA_SM90A
@@ -194,7 +208,13 @@ struct KernelFlags {
 // groups behind a bad block id are not copied at all (the stage keeps an older tile), so a
 // tile with any key not ok is fixed before use: its V columns (panels 0-7) are zeroed on
 // those rows (P is 0 there, and 0 x NaN would be NaN); S is masked by selection anyway.
-template <class T>
+//
+// kWideS (DecodeSm90Options::wide_s, a template parameter so that the default kernel's code
+// stays as measured): warpgroup 0 computes all of S (36 wgmma m64n64k16) and the softmax of
+// the 64 keys alone, writes P and its rescale factors (into red_max), and warpgroup 1 waits
+// at the P barrier, then rescales its O half with those factors; only warpgroup 0 keeps m
+// and l. The two warpgroups' PV is unchanged.
+template <class T, bool kWideS>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
@@ -352,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-  float s[16];
+  float s[32];  // S of this thread: the first 16 for a half, all 32 for the wide S
   const uint32_t p_s = base + kPOff;
 
   for (int tile = 0; tile < ntiles; ++tile) {
@@ -381,75 +401,116 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (flags.profile == 2) continue;
 
-    // ---- S half ----
-    wgmma_fence();
-    issue_s<T>(s, q_s, kt, wg);
-    wgmma_wait<0>();
-    fence_regs(s);
-
-    // ---- online softmax (base 2); masked keys -inf ----
-    const int kpos = key0 + tile * kKeys + kHalfKeys * wg + 2 * t;  // my column 0's key
-    const uint8_t* ok = key_ok_s + stage * kKeys + kHalfKeys * wg + 2 * t;
-    float mx_lo = kNegInf, mx_hi = kNegInf;
+    // ---- S (half per warpgroup, or all of it on warpgroup 0), online softmax in base 2 ----
+    float corr_lo = 1.0f, corr_hi = 1.0f;  // O rescale factors of my two rows
+    // softmax<NB>: this thread's NB blocks of 8 keys from key `koff` of the tile; masked keys
+    // -inf. The tile max of a row comes from the other warpgroup's half through red_max
+    // (NB = 4) or is complete already (NB = 8). Leaves p in sv, updates m and l, returns
+    // whether a row's max moved.
+    auto softmax = [&]<int NB>(float (&sv)[4 * NB], int koff) -> bool {
+      const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
+      const uint8_t* ok = key_ok_s + stage * kKeys + koff + 2 * t;
+      float mx_lo = kNegInf, mx_hi = kNegInf;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < NB; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * i + (e & 1);
-        const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
-        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * i + (e & 1);
+          const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
+          sv[4 * i + e] = visible ? sv[4 * i + e] * a.score_scale_log2 : kNegInf;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(sv[4 * i], sv[4 * i + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sv[4 * i + 2], sv[4 * i + 3]));
       }
-      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
-    }
-    if (t == 0) {
-      red_max[wg * kRows + row_lo] = mx_lo;
-      red_max[wg * kRows + row_hi] = mx_hi;
-    }
-    named_barrier(1, kThreads);
-    // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
-    const float tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
-    const float tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
-    const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
-    const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
-    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-    const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
-    const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
-    const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+      for (int x = 1; x <= 2; x <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
+      }
+      float tmax_lo = mx_lo, tmax_hi = mx_hi;
+      if constexpr (NB == 4) {
+        if (t == 0) {
+          red_max[wg * kRows + row_lo] = mx_lo;
+          red_max[wg * kRows + row_hi] = mx_hi;
+        }
+        named_barrier(1, kThreads);
+        // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
+        tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
+        tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
+      }
+      const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+      const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
+      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+      const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+      const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+      corr_lo = fast_exp2(m_lo - mref_lo);
+      corr_hi = fast_exp2(m_hi - mref_hi);
+      float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      s[4 * i] = fast_exp2(s[4 * i] - mref_lo);
-      s[4 * i + 1] = fast_exp2(s[4 * i + 1] - mref_lo);
-      s[4 * i + 2] = fast_exp2(s[4 * i + 2] - mref_hi);
-      s[4 * i + 3] = fast_exp2(s[4 * i + 3] - mref_hi);
-      sum_lo += s[4 * i] + s[4 * i + 1];
-      sum_hi += s[4 * i + 2] + s[4 * i + 3];
+      for (int i = 0; i < NB; ++i) {
+        sv[4 * i] = fast_exp2(sv[4 * i] - mref_lo);
+        sv[4 * i + 1] = fast_exp2(sv[4 * i + 1] - mref_lo);
+        sv[4 * i + 2] = fast_exp2(sv[4 * i + 2] - mref_hi);
+        sv[4 * i + 3] = fast_exp2(sv[4 * i + 3] - mref_hi);
+        sum_lo += sv[4 * i] + sv[4 * i + 1];
+        sum_hi += sv[4 * i + 2] + sv[4 * i + 3];
+      }
+      l_lo = l_lo * corr_lo + sum_lo;
+      l_hi = l_hi * corr_hi + sum_hi;
+      m_lo = mnew_lo;
+      m_hi = mnew_hi;
+      store_p<T, NB>(smem + kPOff, sv, wg, warp, g, t);
+      fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+      return moved;
+    };
+    bool moved = false;
+    if constexpr (!kWideS) {
+      float(&sh)[16] = *reinterpret_cast<float(*)[16]>(&s[0]);
+      wgmma_fence();
+      issue_s<T>(sh, q_s, kt, wg);
+      wgmma_wait<0>();
+      fence_regs(sh);
+      moved = softmax.template operator()<4>(sh, kHalfKeys * wg);
+    } else if (wg == 0) {
+      wgmma_fence();
+      issue_s_wide<T>(s, q_s, kt);
+      wgmma_wait<0>();
+      fence_regs(s);
+      moved = softmax.template operator()<8>(s, 0);
+      if (t == 0) {  // the rescale factors, for warpgroup 1 (red_max is free in this form)
+        red_max[row_lo] = corr_lo;
+        red_max[row_hi] = corr_hi;
+      }
     }
-    l_lo = l_lo * corr_lo + sum_lo;
-    l_hi = l_hi * corr_hi + sum_hi;
-    m_lo = mnew_lo;
-    m_hi = mnew_hi;
-    store_p<T>(smem + kPOff, s, wg, warp, g, t);
-    fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
     // Once the running maxima settle (after a few tiles on most rows) corr is 1 and the 128
     // multiplications change nothing (2^0 is exactly 1; a row without keys yet has O = 0): a
     // warp skips them when none of its rows' max moved. Warp-uniform, so no divergence.
-    if (!flags.skip_rescale || __any_sync(0xffffffffu, moved)) {
+    if (!kWideS || wg == 0) {
+      if (!flags.skip_rescale || __any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        o[4 * i] *= corr_lo;
-        o[4 * i + 1] *= corr_lo;
-        o[4 * i + 2] *= corr_hi;
-        o[4 * i + 3] *= corr_hi;
+        for (int i = 0; i < 32; ++i) {
+          o[4 * i] *= corr_lo;
+          o[4 * i + 1] *= corr_lo;
+          o[4 * i + 2] *= corr_hi;
+          o[4 * i + 3] *= corr_hi;
+        }
       }
     }
-    named_barrier(2, kThreads);  // both halves of P are in
+    named_barrier(2, kThreads);  // both halves of P are in (wide: all of P and corr)
+    if (kWideS && wg == 1) {
+      // Warpgroup 0's factors for my rows; multiplying by exactly 1 changes nothing.
+      corr_lo = red_max[row_lo];
+      corr_hi = red_max[row_hi];
+      if (!flags.skip_rescale || __any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          o[4 * i] *= corr_lo;
+          o[4 * i + 1] *= corr_lo;
+          o[4 * i + 2] *= corr_hi;
+          o[4 * i + 3] *= corr_hi;
+        }
+      }
+    }
 
     // ---- O half += P V ----
     wgmma_fence();
@@ -476,7 +537,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (row0 + row >= nrows) continue;
     const float m = h ? m_hi : m_lo;
     const float l = red_sum[row] + red_sum[kRows + row];
-    const bool empty = m == kNegInf || !(l > 0.0f);
+    // No visible key <=> l = 0 (the row's max key adds 2^0 = 1); with the wide S only
+    // warpgroup 0 tracks m (and writes the LSE), l comes to both through red_sum.
+    const bool empty = !(l > 0.0f);
     const float inv = empty ? 0.0f : a.v_scale / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     const int col0 = kHalfCols * wg + 2 * t;
@@ -584,7 +647,7 @@ bool sm90_kernel_runs_on(int device) {
     bool runs = major == 9;
     if (runs) {
       cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16>));
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16, false>));
       runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
     }
     known = runs ? 2 : 1;
@@ -608,6 +671,7 @@ DecodeSm90Options& current_options() {
     DecodeSm90Options o;
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
+    o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
     return o;
   }();
   return opt;
@@ -707,7 +771,8 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
 
 void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
-    auto* kernel = decode_sm90_kernel<T>;
+    auto* kernel = current_options().wide_s ? decode_sm90_kernel<T, true>
+                                            : decode_sm90_kernel<T, false>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(

@@ -26,10 +26,14 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_TMA=0|1           key tiles by bulk tensor copies (TMA) where the block
 //                                      size is a multiple of 8, else by cp.async (default 1:
 //                                      measured 3-7 % faster on every H200 case)
+//   KMLA_DECODE_SM90_WIDE_S=0|1        warpgroup 0 computes all of S as m64n64 (a third less
+//                                      shared-memory traffic for S) and the softmax, while
+//                                      warpgroup 1 waits (default 0: not measured yet)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool tma = true;
+  bool wide_s = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

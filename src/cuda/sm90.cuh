@@ -158,6 +158,9 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 
 #define KMLA_SM90_REGS16 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define KMLA_SM90_REGS32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define KMLA_SM90_REGS64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, " \
@@ -176,6 +179,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
       "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KMLA_SM90_ACC16 KMLA_SM90_ACC8(0), KMLA_SM90_ACC8(8)
+#define KMLA_SM90_ACC32 KMLA_SM90_ACC16, KMLA_SM90_ACC8(16), KMLA_SM90_ACC8(24)
 #define KMLA_SM90_ACC64                                                              \
   KMLA_SM90_ACC16, KMLA_SM90_ACC8(16), KMLA_SM90_ACC8(24), KMLA_SM90_ACC8(32),         \
       KMLA_SM90_ACC8(40), KMLA_SM90_ACC8(48), KMLA_SM90_ACC8(56)
@@ -201,6 +205,19 @@ __device__ __forceinline__ void wgmma_ss_m64n32k16(float (&d)[16], uint64_t desc
                " wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KMLA_SM90_REGS16 \
                ", %16, %17, p, 1, 1, 0, " TB ";\n}\n"                                    \
                : KMLA_SM90_ACC16                                                         \
+               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
+  KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
+#undef KMLA_SM90_MMA
+}
+
+template <class T, bool kTransB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a,
+                                                   uint64_t desc_b, bool accumulate) {
+#define KMLA_SM90_MMA(TY, TB)                                                            \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                            \
+               " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " KMLA_SM90_REGS32 \
+               ", %32, %33, p, 1, 1, 0, " TB ";\n}\n"                                    \
+               : KMLA_SM90_ACC32                                                         \
                : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
   KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
 #undef KMLA_SM90_MMA
@@ -251,10 +268,12 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
 #undef KMLA_SM90_DISPATCH
 #undef KMLA_SM90_ACC128
 #undef KMLA_SM90_ACC64
+#undef KMLA_SM90_ACC32
 #undef KMLA_SM90_ACC16
 #undef KMLA_SM90_ACC8
 #undef KMLA_SM90_REGS128
 #undef KMLA_SM90_REGS64
+#undef KMLA_SM90_REGS32
 #undef KMLA_SM90_REGS16
 
 #endif  // KMLA_SM90A

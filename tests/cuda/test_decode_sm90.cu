@@ -243,10 +243,12 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     DecodeSm90Options opt;
   };
   // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async).
-  std::vector<Variant> variants = {{"tma", {true, true}}};
+  std::vector<Variant> variants = {{"tma", {true, true, false}}};
   if (expect_sm90()) {
-    variants.push_back({"cp.async", {true, false}});
-    variants.push_back({"tma, no rescale skip", {false, true}});
+    variants.push_back({"cp.async", {true, false, false}});
+    variants.push_back({"tma, no rescale skip", {false, true, false}});
+    variants.push_back({"tma, wide S", {true, true, true}});
+    variants.push_back({"cp.async, wide S, no rescale skip", {false, false, true}});
   }
   std::vector<std::pair<Variant, PlanTweak>> runs;
   for (const Variant& v : variants)
