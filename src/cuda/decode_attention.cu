@@ -1042,7 +1042,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   const bool deep = plan.deep_pipeline && rows == 16;
   const int stages = deep ? (convert ? kDeepStagesFp8 : kDeepStages16) : kStages;
   const int smem = smem_plan(rows, convert ? a.entry_bytes : 0, stages).total;
-  // Many rows per request (>= 64, 16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
+  // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
   dispatch_act(p.act, [&]<class T>() {

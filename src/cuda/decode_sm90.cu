@@ -16,7 +16,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "cuda/decode_sm90.cuh"
 #include "cuda/sm90.cuh"
@@ -50,7 +55,8 @@ static_assert(kRows == 64 && kKeys == 64 && kLatentDim == 576 && kKvLoraRank == 
 //   red_max    [229,376, 229,888)  [2 warpgroups][64 rows] fp32 tile maxima of S halves
 //   red_sum    [229,888, 230,400)  [2][64] fp32 row sums at the end
 //   key_ok     [230,400, 230,528)  [2 stages][64 keys] u8: key loaded (in split, good block)
-// total 230,528 B + 1,024 alignment slack = 231,552 <= 232,448 (227 KB opt-in per block).
+// total 230,528 B + 1,024 alignment slack = 231,552, plus 32 B of static shared memory (TMA
+// mbarriers and fix flags): 231,584 <= 232,448 (227 KB opt-in per block).
 [[maybe_unused]] constexpr int kQOff = 0;
 constexpr int kKOff = kTileBytes;
 constexpr int kPOff = kKOff + 2 * kTileBytes;
@@ -125,21 +131,47 @@ __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t
 // T into the P panel: row 16 warp + g (+ 8), key 32 wg + 8 i + 2 t (+ 1) -> chunk 4 wg + i.
 // For a fixed i the 32 lanes write 8 rows x 4 words; the swizzle puts the 8 rows on 8
 // different chunk columns, so the 32 stores hit 32 different banks.
-template <class T>
-__device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int wg, int warp,
+// With NB = 8 (the wide S of one warpgroup, wg = 0) the same for all 64 keys, chunk i.
+template <class T, int NB = 4>
+__device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[4 * NB], int wg, int warp,
                                         int g, int t) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < NB; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * warp + g + 8 * h;
-      *reinterpret_cast<uint32_t*>(p_s + swizzle128(row, 4 * wg + i) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(p_s + swizzle128(row, NB * wg + i) + 4 * t) =
           pack2<T>(p[4 * i + 2 * h], p[4 * i + 2 * h + 1]);
     }
   }
 }
 
+// The wide S of one warpgroup: s (64 rows x all 64 keys of the tile at kt) = Q K^T, 36
+// wgmma m64n64k16. Each k-step reads 2 KB of Q and 2 KB of K for 64 x 64 x 16 MACs, where the
+// two m64n32 halves read Q twice (6 KB): a third less shared-memory traffic for S.
+template <class T>
+__device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint32_t kt) {
+#pragma unroll
+  for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * kPanelBytes + (kk & 3) * 32;
+    wgmma_ss_m64n64k16<T, false>(s, desc_k_major(q_s + off), desc_k_major(kt + off), kk > 0);
+  }
+  wgmma_commit();
+}
+
 #endif  // KMLA_SM90A
+
+// Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
+// passed by value: uniform branches, no extra instantiations.
+struct KernelFlags {
+  bool skip_rescale;
+  // Timing only, results are wrong (KMLA_DECODE_SM90_PROFILE): 1 = no key loads after the
+  // first two tiles (the loop's compute alone), 2 = no MMAs or softmax (its loads alone).
+  int profile;
+  // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
+  // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
+  int tma_keys;
+};
 
 // ---- the kernel ---------------------------------------------------------------------
 // Grid (as the mma.sync kernel's for 64-row tiles): x = 64-row tile of the request's
@@ -166,9 +198,29 @@ __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[16], int 
 // 16 B) of one key row per tile, after one block-table lookup; Q takes 18 chunks per thread
 // once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
 // flagged in key_ok, which masks it.
-template <class T>
-__global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeArgs a) {
+//
+// TMA copies (flags.tma_keys = G > 0): warp 0 issues each tile: lane j < 64 / G looks up the
+// block of keys [G j, G j + G) (one block, since G divides the block size and every tile
+// starts at a multiple of 64), and if that block id is good, 9 tensor copies of G rows x 64
+// columns, one per panel; lane 0 first announces the tile's bytes on the stage's mbarrier,
+// which every thread waits on instead of its own cp.async groups. Copies of whole groups
+// also bring rows past key1 (cache slots past the sequence: any bytes, NaN included), and
+// groups behind a bad block id are not copied at all (the stage keeps an older tile), so a
+// tile with any key not ok is fixed before use: its V columns (panels 0-7) are zeroed on
+// those rows (P is 0 there, and 0 x NaN would be NaN); S is masked by selection anyway.
+//
+// kWideS (DecodeSm90Options::wide_s, a template parameter so that the default kernel's code
+// stays as measured): warpgroup 0 computes all of S (36 wgmma m64n64k16) and the softmax of
+// the 64 keys alone, writes P and its rescale factors (into red_max), and warpgroup 1 waits
+// at the P barrier, then rescales its O half with those factors; only warpgroup 0 keeps m
+// and l. The two warpgroups' PV is unchanged.
+template <class T, bool kWideS>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
+                       const __grid_constant__ CUtensorMap kmap) {
 #if KMLA_SM90A
+  __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
+  __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_u32 = smem_u32(smem_raw);
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
@@ -246,13 +298,71 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
       cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
-  int next_block = fetch_block(0);
+  // TMA: lane j of warp 0 takes keys [G j, G j + G) of every tile (see above the kernel).
+  const int tma_keys = flags.tma_keys;
+  const bool tma = tma_keys > 0;
+  const int lane_c = tid & 31;
+  auto fetch_group = [&](int tile) -> int {
+    const int pos = key0 + tile * kKeys + tma_keys * lane_c;
+    return tid < 32 && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
+               ? table[pos / a.block_size]
+               : -1;
+  };
+  auto issue_tma = [&](int tile, int block) {  // warp 0 only
+    const int stage = tile & 1;
+    const int pos = key0 + tile * kKeys + tma_keys * lane_c;
+    const bool any = tma_keys * lane_c < kKeys && pos < key1;
+    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
+    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
+    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
+    bool all_ok = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = lane_c + 32 * h;
+      const bool ok = (good_groups >> (k / tma_keys) & 1u) && key0 + tile * kKeys + k < key1;
+      key_ok_s[stage * kKeys + k] = ok;
+      all_ok = all_ok && ok;
+    }
+    const bool fix = !__all_sync(0xffffffffu, all_ok);
+    if (lane_c == 0) {
+      fix_s[stage] = fix;
+      mbar_arrive_expect_tx(&full_bar[stage],
+                            uint32_t(__popc(good_groups) * tma_keys * kRowBytes));
+    }
+    __syncwarp();  // the bytes are announced before any copy can complete
+    if (good) {
+      const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
+#pragma unroll 1
+      for (int pn = 0; pn < kPanels; ++pn)
+        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size, block,
+                    &full_bar[stage]);
+    }
+  };
+  auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
+  auto issue_any = [&](int tile, int block) {
+    if (!tma)
+      issue(tile, block);
+    else if (tid < 32)
+      issue_tma(tile, block);
+  };
+  // Which tiles get loaded at all (the "compute" profile stops after tile 1).
+  auto loaded = [&](int tile) { return flags.profile != 1 || tile < 2; };
+
+  if (tma) {
+    if (tid == 0) {
+      mbar_init(&full_bar[0], 1);
+      mbar_init(&full_bar[1], 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+  int next_block = fetch(0);
   if (ntiles > 0) {
     const int b = next_block;
-    next_block = fetch_block(1);
-    issue(0, b);
+    next_block = fetch(1);
+    issue_any(0, b);
   }
-  cp_async_commit();  // group: Q and tile 0
+  cp_async_commit();  // group: Q (and tile 0 without TMA)
 
   // ---- per-thread state: rows lo = 16 warp + g and hi = lo + 8 of the tile ----
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
@@ -262,85 +372,145 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-  float s[16];
+  float s[32];  // S of this thread: the first 16 for a half, all 32 for the wide S
   const uint32_t p_s = base + kPOff;
 
   for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
-    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
-    __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
-    if (tile + 1 < ntiles) {  // into the stage of tile - 1
-      const int b = next_block;
-      next_block = fetch_block(tile + 2);
-      issue(tile + 1, b);
-    }
-    cp_async_commit();
     const int stage = tile & 1;
     const uint32_t kt = base + kKOff + stage * kTileBytes;
-
-    // ---- S half ----
-    wgmma_fence();
-    issue_s<T>(s, q_s, kt, wg);
-    wgmma_wait<0>();
-    fence_regs(s);
-
-    // ---- online softmax (base 2); masked keys -inf ----
-    const int kpos = key0 + tile * kKeys + kHalfKeys * wg + 2 * t;  // my column 0's key
-    const uint8_t* ok = key_ok_s + stage * kKeys + kHalfKeys * wg + 2 * t;
-    float mx_lo = kNegInf, mx_hi = kNegInf;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * i + (e & 1);
-        const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
-        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
+    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
+    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
+    if (tma && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
+    if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
+      const int b = next_block;
+      next_block = fetch(tile + 2);
+      issue_any(tile + 1, b);
+    }
+    cp_async_commit();
+    if (tma && fix_s[stage]) {
+      // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
+      for (int i = tid; i < kKeys * 64; i += kThreads) {
+        const int key = i >> 6, c = i & 63;
+        if (!key_ok_s[stage * kKeys + key])
+          *reinterpret_cast<uint4*>(smem + kKOff + stage * kTileBytes + tile_offset(key, c)) =
+              make_uint4(0, 0, 0, 0);
       }
-      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+      fence_proxy_async();
+      __syncthreads();
     }
+    if (flags.profile == 2) continue;
+
+    // ---- S (half per warpgroup, or all of it on warpgroup 0), online softmax in base 2 ----
+    float corr_lo = 1.0f, corr_hi = 1.0f;  // O rescale factors of my two rows
+    // softmax<NB>: this thread's NB blocks of 8 keys from key `koff` of the tile; masked keys
+    // -inf. The tile max of a row comes from the other warpgroup's half through red_max
+    // (NB = 4) or is complete already (NB = 8). Leaves p in sv, updates m and l, returns
+    // whether a row's max moved.
+    auto softmax = [&]<int NB>(float (&sv)[4 * NB], int koff) -> bool {
+      const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
+      const uint8_t* ok = key_ok_s + stage * kKeys + koff + 2 * t;
+      float mx_lo = kNegInf, mx_hi = kNegInf;
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
-    }
-    if (t == 0) {
-      red_max[wg * kRows + row_lo] = mx_lo;
-      red_max[wg * kRows + row_hi] = mx_hi;
-    }
-    named_barrier(1, kThreads);
-    // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
-    const float tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
-    const float tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
-    const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
-    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-    const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
-    const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
-    const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+      for (int i = 0; i < NB; ++i) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      s[4 * i] = fast_exp2(s[4 * i] - mref_lo);
-      s[4 * i + 1] = fast_exp2(s[4 * i + 1] - mref_lo);
-      s[4 * i + 2] = fast_exp2(s[4 * i + 2] - mref_hi);
-      s[4 * i + 3] = fast_exp2(s[4 * i + 3] - mref_hi);
-      sum_lo += s[4 * i] + s[4 * i + 1];
-      sum_hi += s[4 * i + 2] + s[4 * i + 3];
-    }
-    l_lo = l_lo * corr_lo + sum_lo;
-    l_hi = l_hi * corr_hi + sum_hi;
-    m_lo = mnew_lo;
-    m_hi = mnew_hi;
-    store_p<T>(smem + kPOff, s, wg, warp, g, t);
-    fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * i + (e & 1);
+          const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
+          sv[4 * i + e] = visible ? sv[4 * i + e] * a.score_scale_log2 : kNegInf;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(sv[4 * i], sv[4 * i + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sv[4 * i + 2], sv[4 * i + 3]));
+      }
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[4 * i] *= corr_lo;
-      o[4 * i + 1] *= corr_lo;
-      o[4 * i + 2] *= corr_hi;
-      o[4 * i + 3] *= corr_hi;
+      for (int x = 1; x <= 2; x <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
+      }
+      float tmax_lo = mx_lo, tmax_hi = mx_hi;
+      if constexpr (NB == 4) {
+        if (t == 0) {
+          red_max[wg * kRows + row_lo] = mx_lo;
+          red_max[wg * kRows + row_hi] = mx_hi;
+        }
+        named_barrier(1, kThreads);
+        // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
+        tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
+        tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
+      }
+      const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+      const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
+      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+      const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+      const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+      corr_lo = fast_exp2(m_lo - mref_lo);
+      corr_hi = fast_exp2(m_hi - mref_hi);
+      float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        sv[4 * i] = fast_exp2(sv[4 * i] - mref_lo);
+        sv[4 * i + 1] = fast_exp2(sv[4 * i + 1] - mref_lo);
+        sv[4 * i + 2] = fast_exp2(sv[4 * i + 2] - mref_hi);
+        sv[4 * i + 3] = fast_exp2(sv[4 * i + 3] - mref_hi);
+        sum_lo += sv[4 * i] + sv[4 * i + 1];
+        sum_hi += sv[4 * i + 2] + sv[4 * i + 3];
+      }
+      l_lo = l_lo * corr_lo + sum_lo;
+      l_hi = l_hi * corr_hi + sum_hi;
+      m_lo = mnew_lo;
+      m_hi = mnew_hi;
+      store_p<T, NB>(smem + kPOff, sv, wg, warp, g, t);
+      fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+      return moved;
+    };
+    bool moved = false;
+    if constexpr (!kWideS) {
+      float(&sh)[16] = *reinterpret_cast<float(*)[16]>(&s[0]);
+      wgmma_fence();
+      issue_s<T>(sh, q_s, kt, wg);
+      wgmma_wait<0>();
+      fence_regs(sh);
+      moved = softmax.template operator()<4>(sh, kHalfKeys * wg);
+    } else if (wg == 0) {
+      wgmma_fence();
+      issue_s_wide<T>(s, q_s, kt);
+      wgmma_wait<0>();
+      fence_regs(s);
+      moved = softmax.template operator()<8>(s, 0);
+      if (t == 0) {  // the rescale factors, for warpgroup 1 (red_max is free in this form)
+        red_max[row_lo] = corr_lo;
+        red_max[row_hi] = corr_hi;
+      }
     }
-    named_barrier(2, kThreads);  // both halves of P are in
+    // Once the running maxima settle (after a few tiles on most rows) corr is 1 and the 128
+    // multiplications change nothing (2^0 is exactly 1; a row without keys yet has O = 0): a
+    // warp skips them when none of its rows' max moved. Warp-uniform, so no divergence.
+    if (!kWideS || wg == 0) {
+      if (!flags.skip_rescale || __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          o[4 * i] *= corr_lo;
+          o[4 * i + 1] *= corr_lo;
+          o[4 * i + 2] *= corr_hi;
+          o[4 * i + 3] *= corr_hi;
+        }
+      }
+    }
+    named_barrier(2, kThreads);  // both halves of P are in (wide: all of P and corr)
+    if (kWideS && wg == 1) {
+      // Warpgroup 0's factors for my rows; multiplying by exactly 1 changes nothing.
+      corr_lo = red_max[row_lo];
+      corr_hi = red_max[row_hi];
+      if (!flags.skip_rescale || __any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          o[4 * i] *= corr_lo;
+          o[4 * i + 1] *= corr_lo;
+          o[4 * i + 2] *= corr_hi;
+          o[4 * i + 3] *= corr_hi;
+        }
+      }
+    }
 
     // ---- O half += P V ----
     wgmma_fence();
@@ -367,7 +537,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_sm90_kernel(const DecodeAr
     if (row0 + row >= nrows) continue;
     const float m = h ? m_hi : m_lo;
     const float l = red_sum[row] + red_sum[kRows + row];
-    const bool empty = m == kNegInf || !(l > 0.0f);
+    // No visible key <=> l = 0 (the row's max key adds 2^0 = 1); with the wide S only
+    // warpgroup 0 tracks m (and writes the LSE), l comes to both through red_sum.
+    const bool empty = !(l > 0.0f);
     const float inv = empty ? 0.0f : a.v_scale / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     const int col0 = kHalfCols * wg + 2 * t;
@@ -475,7 +647,7 @@ bool sm90_kernel_runs_on(int device) {
     bool runs = major == 9;
     if (runs) {
       cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16>));
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16, false>));
       runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
     }
     known = runs ? 2 : 1;
@@ -484,11 +656,112 @@ bool sm90_kernel_runs_on(int device) {
   return known == 2;
 }
 
+// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
+bool env_switch(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
+             " must be 0 or 1, got '", env, "'");
+  return env[0] == '1';
+}
+
+// The options of every launch: the environment's (read on first use), or a test's.
+DecodeSm90Options& current_options() {
+  static DecodeSm90Options opt = [] {
+    DecodeSm90Options o;
+    o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
+    o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
+    o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
+    return o;
+  }();
+  return opt;
+}
+
+// KMLA_DECODE_SM90_PROFILE=compute|loads (read once): timing only, the results are wrong.
+// "compute" stops loading keys after the first two tiles, "loads" skips the MMAs and the
+// softmax, so the two timings bound what the compute and the copies each take per tile.
+int profile_mode() {
+  static const int mode = [] {
+    const char* env = std::getenv("KMLA_DECODE_SM90_PROFILE");
+    if (env == nullptr || *env == '\0') return 0;
+    if (std::strcmp(env, "compute") == 0) return 1;
+    if (std::strcmp(env, "loads") == 0) return 2;
+    KMLA_CHECK(false, "KMLA_DECODE_SM90_PROFILE must be compute or loads, got '", env, "'");
+    return 0;
+  }();
+  return mode;
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up
+// on first use; null if the driver lacks it (the kernel then copies with cp.async).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                           cudaEnableDefault, &status);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky; clear it
+    const bool found = e == cudaSuccess && status == cudaDriverEntryPointSuccess && f != nullptr;
+    return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f) : nullptr;
+  }();
+  return fn;
+}
+
+// The key-group size of the TMA copies for this cache: the largest of 64, 32, 16, 8 keys that
+// divides the block size (a group then never crosses a block), 0 if none does (cp.async).
+int tma_group_keys(int block_size) {
+  for (int g = kKeys; g >= 8; g /= 2)
+    if (block_size % g == 0) return g;
+  return 0;
+}
+
+// The paged cache as a 3-D tensor [num_blocks][block_size][576] of T (block stride in bytes
+// from the caller, rows 1152 bytes apart), read in boxes of `group` rows x 64 columns into
+// 128-byte-swizzled panels. Encoded on the host for every launch (no device work, graph safe).
+// False if the driver cannot encode it (a caller-owned cache of unusual geometry, an old
+// driver): the launch then takes cp.async, which is slower but computes the same.
+bool cache_tensor_map(const DecodeArgs& a, DType act, int group, CUtensorMap& map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(kLatentDim), cuuint64_t(a.block_size),
+                              cuuint64_t(a.num_blocks)};
+  const cuuint64_t strides[2] = {cuuint64_t(kRowBytes), cuuint64_t(a.block_stride)};
+  const cuuint32_t box[3] = {cuuint32_t(kPanelElems), cuuint32_t(group), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(
+      &map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, const_cast<std::byte*>(a.cache_base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// The key-group size the launch copies with (0: cp.async), and the tensor map for it.
+int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map) {
+  const int group = current_options().tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
+  return group > 0 && cache_tensor_map(a, act, group, map) ? group : 0;
+}
+
 }  // namespace
+
+int decode_sm90_tma_keys(const DecodeParams& p) {
+  DecodeArgs a{};
+  a.cache_base = p.cache.base;
+  a.block_stride = p.cache.block_stride;
+  a.num_blocks = p.cache.num_blocks;
+  a.block_size = p.cache.block_size;
+  CUtensorMap map{};
+  return tma_keys_for(a, p.act, map);
+}
+
+DecodeSm90Options decode_sm90_options() { return current_options(); }
+void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o; }
 
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
-  if (int64_t(p.heads) * plan.max_query_len < kRows) return false;
+  // 33-63 rows still take a 64-row tile in plan_decode; the kernel masks the missing rows,
+  // and even a 25 %-empty wgmma tile beats the mma.sync kernel there.
+  if (int64_t(p.heads) * plan.max_query_len <= kRows / 2) return false;
   const CacheFormat f = p.cache.format;
   if (p.q_fp8 || !(f == CacheFormat::bf16 || f == CacheFormat::fp16)) return false;
   int device = 0;
@@ -498,12 +771,17 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
 
 void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
-    auto* kernel = decode_sm90_kernel<T>;
+    auto* kernel = current_options().wide_s ? decode_sm90_kernel<T, true>
+                                            : decode_sm90_kernel<T, false>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(a);
+    const DecodeSm90Options& o = current_options();
+    CUtensorMap kmap{};
+    const int group = tma_keys_for(a, act, kmap);
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
+        a, KernelFlags{o.skip_rescale, profile_mode(), group}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -14,9 +14,34 @@ inline constexpr int kDecodeSm90Rows = 64;
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
-// tiles with at least 64 rows per request (heads x max_query_len), a 16-bit cache and 16-bit
-// queries (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
+// tiles with more than 32 rows per request (heads x max_query_len; a tile of 33-63 rows masks
+// the missing ones), a 16-bit cache and 16-bit queries (the fp8 formats stay on the mma.sync
+// kernel). Cached per device: no sync.
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
+
+// Variants of the wgmma kernel that change its speed, never its result (A/B timing). The
+// defaults come from the environment, read once per process:
+//   KMLA_DECODE_SM90_SKIP_RESCALE=0|1  skip the O rescale of a warp whose rows' running max
+//                                      did not move (exact; default 1)
+//   KMLA_DECODE_SM90_TMA=0|1           key tiles by bulk tensor copies (TMA) where the block
+//                                      size is a multiple of 8, else by cp.async (default 1:
+//                                      measured 3-7 % faster on every H200 case)
+//   KMLA_DECODE_SM90_WIDE_S=0|1        warpgroup 0 computes all of S as m64n64 (a third less
+//                                      shared-memory traffic for S) and the softmax, while
+//                                      warpgroup 1 waits (default 0: not measured yet)
+// Tests set them through decode_sm90_set_options to run every variant.
+struct DecodeSm90Options {
+  bool skip_rescale = true;
+  bool tma = true;
+  bool wide_s = false;
+};
+DecodeSm90Options decode_sm90_options();
+void decode_sm90_set_options(const DecodeSm90Options& o);
+
+// How many keys per bulk tensor copy a launch for `p` under the current options would use:
+// 8-64, or 0 for cp.async (TMA off, a block size not a multiple of 8, or a cache geometry
+// the driver cannot encode; all compute the same). For tests and diagnostics.
+int decode_sm90_tma_keys(const DecodeParams& p);
 
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
 // (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when

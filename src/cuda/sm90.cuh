@@ -83,6 +83,34 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Arrives on `bar` and raises its transaction count by `bytes` in one step: the phase then
+// completes only when the bulk copies that signal `bar` have delivered that many bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+          smem_u32(bar)),
+      "r"(bytes)
+      : "memory");
+}
+// Makes mbarrier.init of this thread visible to the async proxy (bulk copies signalling it).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// ---- bulk tensor copies (TMA) ----------------------------------------------------------
+// One box of the 3-D tensor map `map` (a __grid_constant__ kernel parameter) at coordinates
+// (c0, c1, c2), innermost first, into shared memory at `dst`; completion is signalled to
+// `bar` as transaction bytes. With a 128-byte swizzled map and `dst` 1024-byte aligned the
+// box lands in the panel layout above.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // ---- wgmma matrix descriptors ---------------------------------------------------------
 // PTX "matrix descriptor": bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
 // >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1 = 128 B). The base
@@ -130,6 +158,9 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 
 #define KMLA_SM90_REGS16 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define KMLA_SM90_REGS32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define KMLA_SM90_REGS64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, " \
@@ -148,6 +179,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
       "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KMLA_SM90_ACC16 KMLA_SM90_ACC8(0), KMLA_SM90_ACC8(8)
+#define KMLA_SM90_ACC32 KMLA_SM90_ACC16, KMLA_SM90_ACC8(16), KMLA_SM90_ACC8(24)
 #define KMLA_SM90_ACC64                                                              \
   KMLA_SM90_ACC16, KMLA_SM90_ACC8(16), KMLA_SM90_ACC8(24), KMLA_SM90_ACC8(32),         \
       KMLA_SM90_ACC8(40), KMLA_SM90_ACC8(48), KMLA_SM90_ACC8(56)
@@ -173,6 +205,19 @@ __device__ __forceinline__ void wgmma_ss_m64n32k16(float (&d)[16], uint64_t desc
                " wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KMLA_SM90_REGS16 \
                ", %16, %17, p, 1, 1, 0, " TB ";\n}\n"                                    \
                : KMLA_SM90_ACC16                                                         \
+               : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
+  KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
+#undef KMLA_SM90_MMA
+}
+
+template <class T, bool kTransB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a,
+                                                   uint64_t desc_b, bool accumulate) {
+#define KMLA_SM90_MMA(TY, TB)                                                            \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                            \
+               " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " KMLA_SM90_REGS32 \
+               ", %32, %33, p, 1, 1, 0, " TB ";\n}\n"                                    \
+               : KMLA_SM90_ACC32                                                         \
                : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
   KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
 #undef KMLA_SM90_MMA
@@ -223,10 +268,12 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
 #undef KMLA_SM90_DISPATCH
 #undef KMLA_SM90_ACC128
 #undef KMLA_SM90_ACC64
+#undef KMLA_SM90_ACC32
 #undef KMLA_SM90_ACC16
 #undef KMLA_SM90_ACC8
 #undef KMLA_SM90_REGS128
 #undef KMLA_SM90_REGS64
+#undef KMLA_SM90_REGS32
 #undef KMLA_SM90_REGS16
 
 #endif  // KMLA_SM90A

@@ -18,6 +18,7 @@
 #include <numeric>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernels.hpp"
@@ -235,7 +236,25 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   const int max_seq = *std::max_element(dev_seq.begin(), dev_seq.end());
   const int expected_flag = c.bad_block_request >= 0 ? kErrBadBlockId : 0;
 
-  for (const PlanTweak& tweak : tweaks) {
+  // Every speed variant of the kernel must give the same answers (DecodeSm90Options).
+  const DecodeSm90Options saved = decode_sm90_options();
+  struct Variant {
+    const char* name;
+    DecodeSm90Options opt;
+  };
+  // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async).
+  std::vector<Variant> variants = {{"tma", {true, true, false}}};
+  if (expect_sm90()) {
+    variants.push_back({"cp.async", {true, false, false}});
+    variants.push_back({"tma, no rescale skip", {false, true, false}});
+    variants.push_back({"tma, wide S", {true, true, true}});
+    variants.push_back({"cp.async, wide S, no rescale skip", {false, false, true}});
+  }
+  std::vector<std::pair<Variant, PlanTweak>> runs;
+  for (const Variant& v : variants)
+    for (const PlanTweak& t : tweaks) runs.emplace_back(v, t);
+  for (const auto& [variant, tweak] : runs) {
+    decode_sm90_set_options(variant.opt);
     DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant);
     if (tweak.num_splits) plan.num_splits = tweak.num_splits;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
@@ -244,9 +263,17 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     plan.workspace_bytes = std::max(
         plan.workspace_bytes,
         size_t(R) * max_qlen * H * plan.num_splits * (kKvLoraRank + 1) * sizeof(float) + 512);
-    // The point of this file: these plans must take the wgmma kernel on an sm_90 GPU.
-    if (expect_sm90()) EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
-    SCOPED_TRACE(::testing::Message() << "splits " << plan.num_splits << ", rows_per_cta "
+    // The point of this file: these plans must take the wgmma kernel on an sm_90 GPU, and
+    // the TMA variant must really copy by TMA where the block size allows it.
+    if (expect_sm90()) {
+      EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
+      int want = 0;  // the largest of 64, 32, 16, 8 keys dividing the block size
+      for (int g = 64; variant.opt.tma && g >= 8 && want == 0; g /= 2)
+        if (bs % g == 0) want = g;
+      EXPECT_EQ(decode_sm90_tma_keys(p), want) << variant.name;
+    }
+    SCOPED_TRACE(::testing::Message() << variant.name << ", splits " << plan.num_splits
+                                      << ", rows_per_cta "
                                       << plan.rows_per_cta << (plan.deep_pipeline ? ", deep" : "")
                                       << (c.batch_invariant ? ", invariant" : ""));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
@@ -255,6 +282,7 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     d_lse.fill_bytes(0xFF);
     d_flag.fill_bytes(0);
     decode_attention(p, plan, d_ws.ptr, nullptr);
+    decode_sm90_set_options(saved);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
@@ -381,6 +409,62 @@ TEST(CudaDecodeSm90, OddHeadCountsPartialTiles) {
   run_case(c, kSm90Tweaks);
 }
 
+// 33-63 rows per request: one 64-row tile with its last rows masked. The speculative K3
+// shape (12 heads x 4 causal tokens = 48 rows: token i sees seq - 3 + i keys, so the four
+// tokens of a tile end on different keys, some just off a 64-key tile or 16-key block
+// boundary), with shorter query blocks mixed in and lengths below the query length.
+TEST(CudaDecodeSm90, SpeculativeCausal48Rows) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {1, 3, 4, 5, 63, 64, 65, 66, 67, 0, 129, 1000, 4100};
+  c.query_lens = {4, 4, 4, 4, 4, 4, 4, 4, 3, 0, 2, 4, 4};
+  c.seed = 31;
+  run_case(c, kSm90Tweaks);
+  c.block_size = 256;  // the same shape from large blocks, f16
+  c.format = CacheFormat::fp16;
+  c.act = DType::f16;
+  c.seed = 32;
+  run_case(c, kSm90Tweaks);
+}
+
+// The least rows the kernel takes (33: one token of 33 heads, 31 rows masked; block size 64)
+// and an odd 55-row tile (11 heads x 5 causal tokens; block size 8).
+TEST(CudaDecodeSm90, FewRowsOddHeads) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 33;
+  c.block_size = 64;
+  c.seq_lens = {1, 64, 65, 700, 2049};
+  c.query_lens = {1, 1, 1, 1, 1};
+  c.seed = 33;
+  run_case(c, kSm90Tweaks);
+  c.heads = 11;
+  c.block_size = 8;  // TMA groups of 8 keys, 8 blocks per 64-key tile
+  c.seq_lens = {5, 6, 64, 68, 0, 1500};
+  c.query_lens = {5, 5, 5, 4, 0, 5};
+  c.seed = 34;
+  run_case(c, kSm90Tweaks);
+}
+
+// The DSpark draft: 8 heads x 8 non-causal tokens = one full 64-row tile per request, every
+// token sees the whole sequence; lengths just off the tile boundaries, block sizes 64, 32.
+TEST(CudaDecodeSm90, DraftNonCausal64Rows) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 8;
+  c.block_size = 64;
+  c.causal = false;
+  c.seq_lens = {8, 63, 64, 65, 127, 128, 129, 3000};
+  c.query_lens = {8, 8, 8, 8, 8, 8, 8, 8};
+  c.seed = 35;
+  run_case(c, kSm90Tweaks);
+  c.block_size = 32;  // TMA groups of 32 keys
+  c.seed = 36;
+  run_case(c, kSm90Tweaks);
+}
+
 // A bad block id: the keys behind it are masked (never read) and the error flag is raised.
 TEST(CudaDecodeSm90, BadBlockIdRaisesFlag) {
   KMLA_REQUIRE_GPU();
@@ -394,7 +478,8 @@ TEST(CudaDecodeSm90, BadBlockIdRaisesFlag) {
   run_case(c, {{0, 0}, {1, 0}, {4, 0}});
 }
 
-// The issue-6 shapes' plans pick the wgmma kernel on sm_90, and only where it applies.
+// The issue-6 shapes' plans pick the wgmma kernel on sm_90 (also for 33-63 rows), and only
+// where it applies.
 TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   KMLA_REQUIRE_GPU();
   const bool sm90 = expect_sm90();
@@ -411,7 +496,7 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   p.heads = 128;
   plan = plan_decode(16, 128, 1, 4096, false);
   EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
-  // Not the wgmma kernel: portable, batch invariant, fp8 caches, fewer than 64 rows.
+  // Not the wgmma kernel: portable, batch invariant, fp8 caches, 32 rows or fewer.
   EXPECT_FALSE(decode_sm90_supports(p, plan_decode(16, 128, 1, 4096, true)));
   EXPECT_FALSE(decode_sm90_supports(p, plan_decode(16, 128, 1, 4096, false, true)));
   DecodeParams fp8 = p;
@@ -424,6 +509,13 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   EXPECT_FALSE(decode_sm90_supports(p, plan));
   plan = plan_decode(16, 16, 4, 4096, false);  // 64 rows
   EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
+  // 33-63 rows: one masked 64-row tile (the speculative K3 shape: 12 heads x 4 tokens).
+  p.heads = 12;
+  plan = plan_decode(128, 12, 4, 8192, false);
+  EXPECT_EQ(plan.rows_per_cta, 64);
+  EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
+  p.heads = 33;
+  EXPECT_EQ(decode_sm90_supports(p, plan_decode(8, 33, 1, 4096, false)), sm90);
 }
 
 // The building blocks alone: S = q k^T through the two 32-key halves and O = round(p) v with
