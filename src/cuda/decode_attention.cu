@@ -693,46 +693,51 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 }
 
 // ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
-// Must stay fast from 2 to kMaxSplits partials and from 1 to thousands of rows, so the work
-// of one row is spread over `lanes` split lanes x (256 / lanes) float4 column lanes, lanes
-// = the power of two >= the row's partial count S capped at 32 (256 threads cover a chunk
-// of 4 x 256 / lanes columns, so a row has lanes / 2 chunks: 1 for 2 partials, 16 for >=
-// 32). The grid has up to the plan's largest lanes / 2 CTAs per row (fewer when the rows
-// alone fill the GPU: a CTA then walks several chunks); a row with fewer partials (batch
-// invariant, balanced) has fewer chunks, and CTAs without one exit.
-//   1. every CTA of the row reduces max_s lse_s and stores the weights exp(lse_s - max) in
-//      shared memory (4 KB);
-//   2. split lane j accumulates partials j, j + lanes, ... of its float4 column: for a
-//      fixed partial the column lanes read consecutive 16 B (>= 128 B per partial and row);
-//   3. the split lanes' float4 sums are added through shared memory (4 KB) and written.
-// The arithmetic of an output element depends only on the row's S (the chunk-to-CTA
-// mapping does not change it), which batch invariance relies on.
+// A task is one (row, column chunk): the row's 512 columns come in `chunks` chunks of
+// 128 / chunks float4 (chunks 1..16), and a task is done by `team` warps (1, or 8 = the
+// CTA), both fixed by the plan: many rows (128 requests x 12 heads: 1,536 rows of ~2
+// partials) take one warp per row, no shared memory and no barrier; a few rows with
+// hundreds of partials (one 64K-key request: 12 rows) take 16 chunks x 8 warps each, so
+// 1,536 warps share its 6.3 MB of partials. Per task:
+//   1. every warp reads the row's S LSEs (lane-strided) and reduces their max and the total
+//      weight sum_s exp(lse_s - max) by shuffles;
+//   2. a warp's lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes
+//      split groups, team x that many groups in the task; group g adds w_s O_s for s = g,
+//      g + groups, ... into 1-4 float4 per lane (independent 16-byte loads; a partial's
+//      column lanes read >= 128 consecutive bytes);
+//   3. the groups' sums meet by xor shuffles within a warp, then (team 8) in warp order
+//      through shared memory (4 KB); the first group scales by 1 / total and writes.
 // A partial with LSE -inf wrote no output and is never read (its workspace may hold
-// anything, even NaN). With 1 row and 264 partials this gives 16 CTAs x 256 threads each
-// with ~8 independent 16-byte loads, instead of one warp reading 540 KB alone.
-// Where a row's partials are: per-request schedule, ws_lse[item * num_splits + s] (the
-// LSEs contiguous); balanced, the slots of its pair's pieces (balanced_slot), rows_per_cta
-// floats apart. Launched as a programmatic dependent of the split kernel on sm_90: it
-// waits for that grid (griddepcontrol.wait) before reading anything.
+// anything, even NaN). Where a row's partials are: per-request schedule,
+// ws_lse[item * num_splits + s] (contiguous); balanced, the slots of its pair's pieces
+// (balanced_slot), 2 rows_per_cta floats apart but the last.
+// Batch-invariant plans always use 4 chunks and one warp (partials added in order), so an
+// element's arithmetic depends on nothing but its row's partials.
+// Launched as a programmatic dependent of the split kernel on sm_90: it waits for that grid
+// (griddepcontrol.wait) before reading anything.
 constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int kCombineInvariantChunks = 4;
 
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_kernel(const DecodeArgs a, int lanes) {
-  __shared__ float weight_s[kMaxSplits];
-  __shared__ float red_s[kCombineThreads / 32];
-  __shared__ float total_s[kCombineThreads / 32];
-  __shared__ float4 part_s[kCombineThreads];
+    decode_combine_kernel(const DecodeArgs a, int chunks, int team) {
+  __shared__ float4 red_s[kCombineWarps][32];  // team 8: each warp's group sums
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
 #endif
-  const int tid = threadIdx.x;
-  const int64_t item = blockIdx.x;  // (request, row) pair
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int member = team == 1 ? 0 : warp;  // this warp's place in the task's team
+  const int64_t task = team == 1 ? int64_t(blockIdx.x) * kCombineWarps + warp : blockIdx.x;
+  const int64_t item = task / chunks;  // (request, row) pair
+  const int chunk = int(task % chunks);
+  // (All exits before the team's barrier are uniform over the team.)
+  if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
-  if (row >= a.query_lens[r] * a.heads) return;  // uniform over the CTA
+  if (row >= a.query_lens[r] * a.heads) return;
   // Partial s of this row: LSE lse_in[s * lse_step], output o_in + s * o_step.
   const float* lse_in = a.ws_lse + item * a.num_splits;
-  int64_t lse_step = 1, o_step = kKvLoraRank;
+  int64_t lse_step = 1, last_back = 0;
   const float* o_in = a.ws_o + item * a.num_splits * kKvLoraRank;
   int S = a.num_splits;
   if (a.balanced) {
@@ -745,95 +750,93 @@ __global__ void __launch_bounds__(kCombineThreads)
     lse_in = a.ws_lse + first;
     o_in = a.ws_o + first * kKvLoraRank;
     lse_step = 2 * a.rows_per_cta;
-    o_step = lse_step * kKvLoraRank;
+    last_back = a.rows_per_cta;
   } else if (a.batch_invariant) {
-    // The request's own split count sets the lanes, hence which partials each lane adds
-    // and in what order. The grid's later splits are empty (LSE -inf, weight exactly 0) and
-    // would add exact zeros, so they are simply not visited.
+    // The grid's later splits are empty (LSE -inf, weight exactly 0): not visited.
     S = invariant_splits(a.seq_lens[r], a.num_splits);
   }
-  if (a.balanced || a.batch_invariant) {
-    lanes = 2;
-    while (lanes < 32 && lanes < S) lanes *= 2;
-    if (int(blockIdx.y) >= lanes / 2) return;  // the grid is sized for the plan's lanes
-  }
-  // The balanced schedule's last piece sits one slot before the stride would put it.
-  const int64_t last_back = a.balanced ? a.rows_per_cta : 0;
-  auto lse_at = [&](int s) {
-    return lse_in[s * lse_step - (s == S - 1 ? last_back : 0)];
-  };
+  auto lse_at = [&](int s) { return lse_in[s * lse_step - (s == S - 1 ? last_back : 0)]; };
   auto o_at = [&](int s) {
-    return o_in + s * o_step - (s == S - 1 ? last_back * kKvLoraRank : 0);
+    return o_in + (s * lse_step - (s == S - 1 ? last_back : 0)) * kKvLoraRank;
   };
 
   float big = kNegInf;
-  for (int s = tid; s < S; s += kCombineThreads) big = fmaxf(big, lse_at(s));
+  for (int s = lane; s < S; s += 32) big = fmaxf(big, lse_at(s));
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-  if ((tid & 31) == 0) red_s[tid >> 5] = big;
-  __syncthreads();
-  big = red_s[0];
-#pragma unroll
-  for (int w = 1; w < kCombineThreads / 32; ++w) big = fmaxf(big, red_s[w]);
 
-  // A row's columns come in lanes / 2 chunks of 4 x col_lanes; CTA y takes chunks y,
-  // y + gridDim.y, ... (the grid has fewer CTAs per row when there are many rows).
-  const int col_lanes = kCombineThreads / lanes;  // float4 columns per chunk
-  const int split_lane = tid / col_lanes;
+  const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
+  const int col_lanes = chunk_f4 < 32 ? chunk_f4 : 32;
+  const int groups = 32 / col_lanes, per_lane = chunk_f4 / col_lanes;  // per_lane <= 4
+  const int group = lane / col_lanes, first_group = member * groups + group;
+  const int col0 = (chunk * chunk_f4 + lane % col_lanes) * 4;  // + 4 col_lanes k
   const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
-  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank;
+  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
   if (big == kNegInf) {  // no split saw a key: zeros and -inf
-    for (int chunk = blockIdx.y; chunk < lanes / 2; chunk += gridDim.y)
-      if (split_lane == 0)
-        *reinterpret_cast<uint2*>(out + (chunk * col_lanes + tid % col_lanes) * 4) =
-            make_uint2(0, 0);
-    if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = kNegInf;
+    if (first_group == 0)
+      for (int k = 0; k < per_lane; ++k)
+        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) = make_uint2(0, 0);
+    if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = kNegInf;
     return;
   }
   float total = 0.0f;
-  for (int s = tid; s < S; s += kCombineThreads) {
+  for (int s = lane; s < S; s += 32) {
     const float l = lse_at(s);
-    const float w = l == kNegInf ? 0.0f : expf(l - big);
-    weight_s[s] = w;
-    total += w;
+    total += l == kNegInf ? 0.0f : expf(l - big);
   }
-  for (int o2 = 16; o2 > 0; o2 >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o2);
-  if ((tid & 31) == 0) total_s[tid >> 5] = total;
-  __syncthreads();  // weights and warp totals visible
-  total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kCombineThreads / 32; ++w) total += total_s[w];
-  const float inv = 1.0f / total;
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
 
-  for (int chunk = blockIdx.y; chunk < lanes / 2; chunk += gridDim.y) {
-    const int col = (chunk * col_lanes + tid % col_lanes) * 4;
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 sum[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) sum[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 4
-    for (int s = split_lane; s < S; s += lanes) {
-      const float w = weight_s[s];
-      if (w != 0.0f) {
-        const float4 v = *reinterpret_cast<const float4*>(o_at(s) + col);
-        sum.x += w * v.x;
-        sum.y += w * v.y;
-        sum.z += w * v.z;
-        sum.w += w * v.w;
+  for (int s = first_group; s < S; s += team * groups) {
+    const float l = lse_at(s);
+    if (l == kNegInf) continue;
+    const float w = expf(l - big);
+    const float* o = o_at(s) + col0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < per_lane) {
+        const float4 v = *reinterpret_cast<const float4*>(o + 4 * col_lanes * k);
+        sum[k].x += w * v.x;
+        sum[k].y += w * v.y;
+        sum[k].z += w * v.z;
+        sum[k].w += w * v.w;
       }
     }
-    part_s[tid] = sum;
-    __syncthreads();
-    if (split_lane == 0) {
-      for (int j = 1; j < lanes; ++j) {
-        const float4 v = part_s[j * col_lanes + tid];
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
-      }
-      *reinterpret_cast<uint2*>(out + col) =
-          make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
-    }
-    __syncthreads();  // part_s free for the next chunk
   }
-  if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = big + logf(total);
+  for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      sum[k].x += __shfl_xor_sync(0xffffffffu, sum[k].x, o);
+      sum[k].y += __shfl_xor_sync(0xffffffffu, sum[k].y, o);
+      sum[k].z += __shfl_xor_sync(0xffffffffu, sum[k].z, o);
+      sum[k].w += __shfl_xor_sync(0xffffffffu, sum[k].w, o);
+    }
+  }
+  if (team > 1) {  // the team's warps, in warp order (the plan gives team 8 per_lane 1)
+    red_s[warp][lane] = sum[0];
+    __syncthreads();
+    if (warp != 0) return;
+    sum[0] = red_s[0][lane];
+    for (int j = 1; j < kCombineWarps; ++j) {
+      const float4 v = red_s[j][lane];
+      sum[0].x += v.x;
+      sum[0].y += v.y;
+      sum[0].z += v.z;
+      sum[0].w += v.w;
+    }
+  }
+  const float inv = 1.0f / total;
+  if (group == 0) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (k < per_lane)
+        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) =
+            make_uint2(pack2<T>(sum[k].x * inv, sum[k].y * inv),
+                       pack2<T>(sum[k].z * inv, sum[k].w * inv));
+  }
+  if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = big + logf(total);
 }
 
 // ---- host side ------------------------------------------------------------------------
@@ -1136,19 +1139,18 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
     if (!a.direct_out) {
-      // Rows x the lanes the most partials a row can have need (batch invariant and
-      // balanced rows pick their own, from their own partial count, and leave the rest).
+      // Column chunks and warps per task (see the combine): one warp per row once the rows
+      // alone give ~2K warps (128 requests x 12 heads: 1,536 rows); more chunks, then whole
+      // CTAs per chunk, for fewer rows (one long request: 12 rows x 16 chunks x 8 warps).
       const int64_t items = int64_t(b.num_requests) * a.max_rows;
-      const int most = balanced ? plan.num_workers : plan.num_splits;
-      int lanes = 2;
-      while (lanes < 32 && lanes < most) lanes *= 2;
-      // CTAs per row: one per column chunk (lanes / 2) for few rows (one long request:
-      // 12 rows x 16 CTAs), down to one CTA walking all chunks of its row when the rows
-      // alone fill the GPU (~1024 CTAs: 132 SMs x 8 of 256 threads); a row with fewer
-      // partials than the plan's most has fewer chunks and leaves the others.
-      const int64_t per_row = std::clamp<int64_t>(ceil_div(1024, items), 1, lanes / 2);
+      int chunks = kCombineInvariantChunks, team = 1;
+      if (!plan.batch_invariant) {
+        chunks = 1;
+        while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
+        if (chunks >= 4 && items * chunks <= 512) team = kCombineWarps;
+      }
       cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(items), unsigned(per_row));
+      cfg.gridDim = dim3(unsigned(team == 1 ? ceil_div(items * chunks, kCombineWarps) : items * chunks));
       cfg.blockDim = dim3(kCombineThreads);
       cfg.dynamicSmemBytes = 0;
       cfg.stream = stream;
@@ -1157,7 +1159,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       attr[0].val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = attr;
       cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, lanes));
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks, team));
     }
   });
 }
