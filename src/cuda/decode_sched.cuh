@@ -22,7 +22,7 @@
 
 namespace kmla::cuda {
 
-inline constexpr int kMaxSplits = 1024;  // per-request grid splits; combine weights 4 KB
+inline constexpr int kMaxSplits = 1024;  // most per-request grid splits, most workers
 // Batch-invariant mode: a split covers at least this many keys (16 tiles). Against 512 x
 // 1152 B = 590 KB of bf16 keys a 16-row split writes and the combine reads 2 x 32 KB of
 // fp32 partials (~11 %); 512 keys reach the 1024-split cap at 512K keys, beyond which the
