@@ -710,7 +710,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 // A partial with LSE -inf wrote no output and is never read (its workspace may hold
 // anything, even NaN). Where a row's partials are: per-request schedule,
 // ws_lse[item * num_splits + s] (contiguous); balanced, the slots of its pair's pieces
-// (balanced_slot), 2 rows_per_cta floats apart but the last.
+// (balanced_partial).
 // Batch-invariant plans always use 4 chunks and one warp (partials added in order), so an
 // element's arithmetic depends on nothing but its row's partials.
 // Launched as a programmatic dependent of the split kernel on sm_90: it waits for that grid
@@ -735,30 +735,23 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
-  // Partial s of this row: LSE lse_in[s * lse_step], output o_in + s * o_step.
-  const float* lse_in = a.ws_lse + item * a.num_splits;
-  int64_t lse_step = 1, last_back = 0;
-  const float* o_in = a.ws_o + item * a.num_splits * kKvLoraRank;
-  int S = a.num_splits;
+  // Partial s of this row: LSE a.ws_lse[part(s)], output a.ws_o + part(s) * 512.
+  int S = a.num_splits, w0 = 0;
   if (a.balanced) {
     const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
+    w0 = pieces.x;
     S = pieces.y;
     if (S <= 1) return;  // the tile's only piece wrote out / lse itself
-    // The pieces' slots are 2 (w0 + s) + 1 but the last one's, 2 (w0 + S - 1): a stride of
-    // two slots, and the last partial one slot back.
-    const int64_t first = balanced_slot(pieces.x, S, 0) * a.rows_per_cta + row % a.rows_per_cta;
-    lse_in = a.ws_lse + first;
-    o_in = a.ws_o + first * kKvLoraRank;
-    lse_step = 2 * a.rows_per_cta;
-    last_back = a.rows_per_cta;
   } else if (a.batch_invariant) {
     // The grid's later splits are empty (LSE -inf, weight exactly 0): not visited.
     S = invariant_splits(a.seq_lens[r], a.num_splits);
   }
-  auto lse_at = [&](int s) { return lse_in[s * lse_step - (s == S - 1 ? last_back : 0)]; };
-  auto o_at = [&](int s) {
-    return o_in + (s * lse_step - (s == S - 1 ? last_back : 0)) * kKvLoraRank;
+  auto part = [&](int s) -> int64_t {
+    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
+                      : item * a.num_splits + s;
   };
+  auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
+  auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
 
   float big = kNegInf;
   for (int s = lane; s < S; s += 32) big = fmaxf(big, lse_at(s));

@@ -178,6 +178,10 @@ __host__ __device__ inline int worker_of(int64_t x, int64_t total, int workers) 
 __host__ __device__ inline int64_t balanced_slot(int w0, int n, int s) {
   return 2 * int64_t(w0 + s) + (s < n - 1 ? 1 : 0);
 }
+// The ws_lse index (ws_o: times 512) of that piece's partial for tile-local row `row`.
+__host__ __device__ inline int64_t balanced_partial(int w0, int n, int s, int rows, int row) {
+  return balanced_slot(w0, n, s) * rows + row;
+}
 
 // A worker's share and where its walk over the pairs stands.
 struct WalkState {
@@ -255,7 +259,7 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       w.key1 = t1 * KEY_TILE < kmax ? t1 * KEY_TILE : kmax;
       if (w.key1 < w.key0) w.key1 = w.key0;
       w.direct = n == 1;
-      w.part = balanced_slot(w0, n, s) * ROWS;
+      w.part = balanced_partial(w0, n, s, ROWS, 0);
       w.part_stride = 1;
       if (s == 0 && write_table) a.pair_table[pair] = make_int2(w0, n);
       return true;

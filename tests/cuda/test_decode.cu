@@ -747,8 +747,10 @@ void check_host_schedule(const HostSchedCase& c) {
         }
         EXPECT_EQ(ps[s].direct, ps.size() == 1);
         if (ps.size() > 1) {
+          // Where the piece writes its rows is where the combine reads them.
           EXPECT_EQ(ps[s].worker, info.x + int(s));
-          EXPECT_EQ(ps[s].part, balanced_slot(info.x, info.y, int(s)) * ROWS);
+          for (int row = 0; row < ROWS; ++row)
+            EXPECT_EQ(ps[s].part + row, balanced_partial(info.x, info.y, int(s), ROWS, row));
         }
       }
       EXPECT_EQ(next, kmax) << "keys not covered to the end";
