@@ -34,10 +34,30 @@ struct DecodeParams {
   int* error_flag = nullptr;  // raised (kErrBadBlockId) for a block id outside the cache
 };
 
+// How the split kernel's CTAs share the work (src/cuda/decode_sched.cuh).
+enum class DecodeSchedule {
+  per_request,  // grid (row tiles, num_splits, requests): splits from each request's length
+  balanced,     // grid (num_workers): every CTA an equal share of the batch's key tiles
+};
+
 // Launch configuration fixed at plan time from the batch's *shape*, so a CUDA graph
 // captured with one plan replays correctly with other lengths of the same shape.
 struct DecodePlan {
-  int num_splits = 1;     // KV splits per request (each split covers ceil(seq/num_splits))
+  // plan_decode picks balanced unless batch invariant (which keeps per_request: a request's
+  // splits must not depend on its batchmates) or above kDecodeBalancedMaxRequests requests.
+  DecodeSchedule schedule = DecodeSchedule::per_request;
+  // balanced: CTAs of the split kernel (1..1024): the CTA slots of the GPU, one wave. The
+  // share sizes come from the lengths on the device; the three sched_* costs in keys tune
+  // them (decode_sched.cuh): a pair's start-up charge, the fewest keys per worker, and the
+  // longest pair never cut.
+  int num_workers = 0;
+  int sched_pair_keys = 32;
+  int sched_min_keys = 256;
+  int sched_nosplit_keys = 512;
+  // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
+  // launch overlaps the split kernel's tail.
+  bool programmatic_combine = false;
+  int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile
   bool portable = false;
@@ -55,10 +75,21 @@ struct DecodePlan {
   size_t workspace_bytes = 0;  // partial outputs and LSEs of the splits
 };
 
+// The balanced schedule's prologue reads every request's lengths in every CTA; above this
+// many requests plans keep the per-request grid (which then has >= this many CTAs anyway).
+inline constexpr int kDecodeBalancedMaxRequests = 4096;
+
 // Chooses the split count etc. for `num_requests` decode requests of at most
-// `max_query_len` query rows and `max_seq_len` keys, on the current device.
+// `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
+// overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
+// KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
+// KMLA_DECODE_PDL=0|1 (never for batch-invariant plans).
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false);
+
+// Workspace bytes `plan` needs for `num_requests` requests of `heads` heads (what
+// plan_decode stores in plan.workspace_bytes; for callers that edit a plan).
+size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads);
 
 // Runs decode attention. `workspace` holds plan.workspace_bytes (256-byte aligned).
 // Never allocates or synchronizes.

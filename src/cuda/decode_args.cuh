@@ -34,12 +34,26 @@ struct DecodeArgs {
   void* out;               // [rows, heads, 512] T
   float* lse;              // [rows, heads]
   int* error_flag;
-  int num_splits;
+  int num_splits;        // per-request schedule: grid splits per request
   bool batch_invariant;  // split boundaries from each request's own length
-  bool direct_out;       // one split and not invariant: write out / lse, skip the combine
-  int max_rows;   // plan.max_query_len * heads: workspace rows per request
-  float* ws_o;    // [num_requests, max_rows, num_splits, 512] fp32 (normalised partials)
-  float* ws_lse;  // [num_requests, max_rows, num_splits] natural log, -inf = empty
+  bool direct_out;       // per-request, one split, not invariant: write out / lse, no combine
+  int max_rows;   // plan.max_query_len * heads: rows per request the grid covers
+  // Scheduler (decode_sched.cuh). balanced: grid (num_workers), every CTA takes an equal
+  // share of the batch's key tiles; else the per-request grid (row tiles, num_splits, R).
+  bool balanced;
+  int num_workers;
+  int rows_per_cta;        // the plan's row tile
+  int row_tiles;           // ceil(max_rows / rows_per_cta): pairs per request
+  int sched_pair_keys;     // start-up charge of a (request, row tile) pair, in keys
+  int sched_min_keys;      // fewest keys per worker
+  int sched_nosplit_keys;  // pairs of at most this many keys are never cut
+  // Partials. per-request: ws_o [num_requests, max_rows, num_splits, 512] fp32 (normalised),
+  // ws_lse [num_requests, max_rows, num_splits]. balanced: ws_o [2 num_workers, rows_per_cta,
+  // 512], ws_lse [2 num_workers, rows_per_cta] (two slots per worker, see balanced_slot).
+  // Natural log; -inf = the piece saw no key (its ws_o is then never read).
+  float* ws_o;
+  float* ws_lse;
+  int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
 };
 
 }  // namespace kmla::cuda

@@ -1,7 +1,8 @@
 // Absorbed-MQA decode over the paged latent cache: split-KV flash decoding on the tensor
 // cores (mma.sync m16n8k16 + ldmatrix + cp.async), plus the LSE combine of the splits.
 //
-// One CTA handles one (request, KV split, tile of ROWS (token, head) query rows). The same
+// One CTA handles one or more pieces of work, each a tile of ROWS (token, head) query rows
+// of one request against a range of its keys (decode_sched.cuh schedules them). The same
 // code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both. On GPUs
 // with ~210 KB of shared memory per block (Hopper) the 16-row tiles can run a deep pipeline
 // (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
@@ -20,10 +21,13 @@
 // arithmetic: weight exp(0) = 1, total 1).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 
 #include "cuda/attention.cuh"
 #include "cuda/decode_args.cuh"
+#include "cuda/decode_sched.cuh"
 #include "cuda/decode_sm90.cuh"
 #include "kmla/config.hpp"
 
@@ -46,13 +50,7 @@ constexpr int kPStride = kKeyTile + 8;      // P row stride (elements): 80 B, co
 // cover all 32 banks once.
 constexpr int kSPartStride = kKeyTile + 8;
 constexpr int kDepthSteps = kLatentDim / 16 / 4;  // k-steps of S per warp (depth split): 9
-constexpr int kMaxSplits = 1024;            // combine weights in shared memory: 4 KB
 constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
-// Batch-invariant mode: a split covers at least this many keys (16 tiles). Against 512 x
-// 1152 B = 590 KB of bf16 keys a 16-row split writes and the combine reads 2 x 32 KB of
-// fp32 partials (~11 %); 512 keys reach the 1024-split cap at 512K keys, beyond which the
-// split grows with the sequence.
-constexpr int kInvariantMinKeys = 512;
 constexpr int kDsMlaEntryBytes = 656;       // 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -98,29 +96,6 @@ __host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, 
   off += rows == 16 && stages > kStages ? 4 * 16 * kSPartStride * 4 : 0;
   s.total = off;
   return s;
-}
-
-// Batch-invariant split policy: keys per split for a request of `seq` keys, from its own
-// length only: kInvariantMinKeys, or more (a whole number of tiles) so that at most
-// kMaxSplits splits cover it. A grid of fewer splits than that (a plan made for shorter
-// sequences, e.g. a CUDA graph's DecodeShape::max_seq_len) spreads the keys over the
-// grid's splits instead: still exact, no longer batch invariant.
-__host__ __device__ inline int invariant_keys_per_split(int seq, int grid_splits) {
-  const int64_t tiles_at_cap = (int64_t(seq) + int64_t(kMaxSplits) * kKeyTile - 1) /
-                               (int64_t(kMaxSplits) * kKeyTile);
-  int64_t per = tiles_at_cap * kKeyTile;
-  per = per > kInvariantMinKeys ? per : kInvariantMinKeys;
-  if ((int64_t(seq) + per - 1) / per > grid_splits) {
-    const int64_t tiles = (int64_t(seq) + kKeyTile - 1) / kKeyTile;
-    per = (tiles + grid_splits - 1) / grid_splits * kKeyTile;
-  }
-  return int(per);
-}
-
-// Splits a request of `seq` keys uses in batch-invariant mode.
-__host__ __device__ inline int invariant_splits(int seq, int grid_splits) {
-  const int per = invariant_keys_per_split(seq, grid_splits);
-  return int((int64_t(seq) + per - 1) / per);
 }
 
 // ---- small device helpers -----------------------------------------------------------
@@ -276,56 +251,32 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
 // 0.73), still short of the 2-stage form's 0.89.
 // Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
 // (512 threads) is capped at 128 registers by the launch bounds.
+// The kernel runs one piece of work (decode_sched.cuh: a row tile of one request against a
+// key range) per call of splitkv_piece; a balanced-schedule CTA runs several in a row.
 template <class T, int ROWS, bool kConvert, int STAGES>
-__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
-    decode_splitkv_kernel(const DecodeArgs a) {
+__device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
   extern __shared__ __align__(128) std::byte smem[];
 
-  const int r = blockIdx.z, split = blockIdx.y;
-  const int row0 = blockIdx.x * ROWS;  // first (token * heads + head) row of the tile
-  const int qlen = a.query_lens[r];
-  // Rows past plan.max_query_len (a caller breaking the plan) are not computed: the grid
-  // and the workspace only cover max_rows per request.
-  const int nrows = min(qlen * a.heads, a.max_rows);
-  if (row0 >= nrows) return;  // padded request slot (qlen 0) or past this request's rows
-
-  const int seq = a.seq_lens[r];
-  // Keys visible to local row `row` (0 for rows past the request).
-  auto key_count = [&](int row) -> int {
-    if (row >= nrows) return 0;
-    const int token = row / a.heads;
-    return max(0, a.causal ? seq - (qlen - 1 - token) : seq);
-  };
-  // The tile's last valid row sees the most keys; split that range into tile-aligned parts.
-  // Default: the tile's keys in num_splits equal parts. Batch invariant: parts of a size
-  // set by the request's own length (never by the batch), so a row's keys fall into the
-  // same splits and tiles however the batch around it looks; a row's arithmetic depends
-  // on nothing else (its S row, max, sum and P V row are its own; keys a row cannot see
-  // are masked and leave its state bitwise unchanged).
-  const int kmax = key_count(min(nrows, row0 + ROWS) - 1);
-  int key0, key1;
-  if (a.batch_invariant) {
-    // Split `split` starts at split * per; past the tile's keys it is empty (key0 = kmax).
-    const int per = invariant_keys_per_split(seq, a.num_splits);
-    key0 = unsigned(split) < (unsigned(kmax) + unsigned(per) - 1u) / unsigned(per) ? split * per
-                                                                                : kmax;
-    key1 = min(kmax, key0 + per);
-  } else {
-    const int tiles_all = (kmax + kKeyTile - 1) / kKeyTile;
-    const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
-    key0 = split * tiles_per_split * kKeyTile;
-    key1 = min(kmax, key0 + tiles_per_split * kKeyTile);
-  }
+  // `work` is in shared memory: these references read it where they are used, so the
+  // 32 / 64-row kernels (128 registers) need not keep them in registers across the loop.
+  const int& r = work.r;
+  const int& row0 = work.row0;  // first (token * heads + head) row of the tile
+  const int &qlen = work.qlen, &seq = work.seq, &nrows = work.nrows;
+  // Keys visible to local row `row` (0 for rows past the request). A row's arithmetic
+  // depends on nothing else (its S row, max, sum and P V row are its own; keys a row cannot
+  // see are masked and leave its state bitwise unchanged): what batch invariance rests on.
+  auto key_count = [&](int row) -> int { return decode_row_keys(a, qlen, seq, nrows, row); };
+  const int &key0 = work.key0, &key1 = work.key1;
   const int ntiles = key1 > key0 ? (key1 - key0 + kKeyTile - 1) / kKeyTile : 0;
-  if (ntiles == 0 && !a.direct_out) {
-    // An empty split (a short request in a grid sized for long ones): the combine needs
+  if (ntiles == 0 && !work.direct) {
+    // An empty piece (a short request in a grid sized for long ones): the combine needs
     // only its LSE of -inf, and then never reads its partial output.
-    const int row = row0 + int(threadIdx.x);
-    if (threadIdx.x < ROWS && row < nrows)
-      a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
+    const int row = int(threadIdx.x);
+    if (threadIdx.x < ROWS && row0 + row < nrows)
+      a.ws_lse[work.part + int64_t(row) * work.part_stride] = kNegInf;
     return;
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -700,7 +651,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
     const float inv = empty ? 0.0f : a.v_scale / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     const int col0 = 128 * slice + 2 * (lane & 3);
-    if (a.direct_out) {
+    if (work.direct) {
       T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
       for (int n = 0; n < 16; ++n)
@@ -708,7 +659,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
             pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
       if (slice == 0 && (lane & 3) == 0) a.lse[out_row0 + row] = lse;
     } else {
-      const int64_t w = (int64_t(r) * a.max_rows + row0 + row) * a.num_splits + split;
+      const int64_t w = work.part + int64_t(row) * work.part_stride;
       if (!empty) {
         float* o = a.ws_o + w * kKvLoraRank + col0;
 #pragma unroll
@@ -721,103 +672,164 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
   }
 }
 
+template <class T, int ROWS, bool kConvert, int STAGES>
+__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
+    decode_splitkv_kernel(const DecodeArgs a) {
+  if constexpr (ROWS == 16) {
+    for_each_decode_work<ROWS, kKeyTile>(
+        a, [&](const DecodeWork& w) { splitkv_piece<T, ROWS, kConvert, STAGES>(a, w); });
+  } else {
+    // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
+    // loop over pieces the compiler would keep values it derives from the arguments (the
+    // fp8 shared-memory plan, addresses) live from one piece to the next; read from shared
+    // memory, which every barrier may change, they are derived again where used.
+    __shared__ DecodeArgs args_s;
+    if (threadIdx.x == 0) args_s = a;
+    __syncthreads();
+    for_each_decode_work<ROWS, kKeyTile>(args_s, [&](const DecodeWork& w) {
+      splitkv_piece<T, ROWS, kConvert, STAGES>(args_s, w);
+    });
+  }
+}
+
 // ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
-// Must stay fast from 2 to kMaxSplits splits and from 1 to thousands of rows, so the work
-// of one row is spread over `lanes` split lanes x (256 / lanes) float4 column lanes, lanes
-// = the power of two >= num_splits capped at 32 (one CTA of 256 threads covers 4 x 256 /
-// lanes columns, so a row takes lanes / 2 CTAs: 1 for 2 splits, 16 for >= 32 splits).
-//   1. every CTA of the row reduces max_s lse_s (the LSEs are contiguous: one coalesced
-//      read) and stores the weights exp(lse_s - max) in shared memory (4 KB);
-//   2. split lane j accumulates splits j, j + lanes, ... of its float4 column: for a fixed
-//      split the column lanes read consecutive 16 B (>= 128 B per split and row);
-//   3. the split lanes' float4 sums are added through shared memory (4 KB) and written.
-// A split with LSE -inf wrote no partial output and is never read (its workspace may hold
-// anything, even NaN). With 1 row and 264 splits this gives 16 CTAs x 256 threads each
-// with ~8 independent 16-byte loads, instead of one warp reading 540 KB alone.
+// A task is one (row, column chunk): the row's 512 columns come in `chunks` chunks of
+// 128 / chunks float4 (chunks 1..16), and a task is done by `team` warps (1, or 8 = the
+// CTA), both fixed by the plan: many rows (128 requests x 12 heads: 1,536 rows of ~2
+// partials) take one warp per row, no shared memory and no barrier; a few rows with
+// hundreds of partials (one 64K-key request: 12 rows) take 16 chunks x 8 warps each, so
+// 1,536 warps share its 6.3 MB of partials. Per task:
+//   1. every warp reads the row's S LSEs (lane-strided) and reduces their max and the total
+//      weight sum_s exp(lse_s - max) by shuffles;
+//   2. a warp's lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes
+//      split groups, team x that many groups in the task; group g adds w_s O_s for s = g,
+//      g + groups, ... into 1-4 float4 per lane (independent 16-byte loads; a partial's
+//      column lanes read >= 128 consecutive bytes);
+//   3. the groups' sums meet by xor shuffles within a warp, then (team 8) in warp order
+//      through shared memory (4 KB); the first group scales by 1 / total and writes.
+// A partial with LSE -inf wrote no output and is never read (its workspace may hold
+// anything, even NaN). Where a row's partials are: per-request schedule,
+// ws_lse[item * num_splits + s] (contiguous); balanced, the slots of its pair's pieces
+// (balanced_partial).
+// Batch-invariant plans always use 4 chunks and one warp (partials added in order), so an
+// element's arithmetic depends on nothing but its row's partials.
+// Launched as a programmatic dependent of the split kernel on sm_90: it waits for that grid
+// (griddepcontrol.wait) before reading anything.
 constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int kCombineInvariantChunks = 4;
 
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_kernel(const DecodeArgs a, int lanes) {
-  __shared__ float weight_s[kMaxSplits];
-  __shared__ float red_s[kCombineThreads / 32];
-  __shared__ float4 part_s[kCombineThreads];
-  const int tid = threadIdx.x;
-  const int64_t item = blockIdx.x;  // (request, row) pair
+    decode_combine_kernel(const DecodeArgs a, int chunks, int team) {
+  __shared__ float4 red_s[kCombineWarps][32];  // team 8: each warp's group sums
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
+#endif
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int member = team == 1 ? 0 : warp;  // this warp's place in the task's team
+  const int64_t task = team == 1 ? int64_t(blockIdx.x) * kCombineWarps + warp : blockIdx.x;
+  const int64_t item = task / chunks;  // (request, row) pair
+  const int chunk = int(task % chunks);
+  // (All exits before the team's barrier are uniform over the team.)
+  if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
-  if (row >= a.query_lens[r] * a.heads) return;  // uniform over the CTA
-  const float* lse_in = a.ws_lse + item * a.num_splits;
-  int S = a.num_splits;
-  if (lanes == 0) {
-    // Batch invariant: the request's own split count sets the lanes, hence which partials
-    // each lane adds and in what order. The grid's later splits are empty (LSE -inf, weight
-    // exactly 0) and would add exact zeros, so they are simply not visited.
+  if (row >= a.query_lens[r] * a.heads) return;
+  // Partial s of this row: LSE a.ws_lse[part(s)], output a.ws_o + part(s) * 512.
+  int S = a.num_splits, w0 = 0;
+  if (a.balanced) {
+    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
+    w0 = pieces.x;
+    S = pieces.y;
+    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
+  } else if (a.batch_invariant) {
+    // The grid's later splits are empty (LSE -inf, weight exactly 0): not visited.
     S = invariant_splits(a.seq_lens[r], a.num_splits);
-    lanes = 2;
-    while (lanes < 32 && lanes < S) lanes *= 2;
-    if (int(blockIdx.y) >= lanes / 2) return;  // the grid is sized for the plan's lanes
   }
+  auto part = [&](int s) -> int64_t {
+    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
+                      : item * a.num_splits + s;
+  };
+  auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
+  auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
 
   float big = kNegInf;
-  for (int s = tid; s < S; s += kCombineThreads) big = fmaxf(big, lse_in[s]);
+  for (int s = lane; s < S; s += 32) big = fmaxf(big, lse_at(s));
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-  if ((tid & 31) == 0) red_s[tid >> 5] = big;
-  __syncthreads();
-  big = red_s[0];
-#pragma unroll
-  for (int w = 1; w < kCombineThreads / 32; ++w) big = fmaxf(big, red_s[w]);
 
-  const int col_lanes = kCombineThreads / lanes;  // float4 columns per CTA
-  const int split_lane = tid / col_lanes;
-  const int col = (blockIdx.y * col_lanes + tid % col_lanes) * 4;
+  const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
+  const int col_lanes = chunk_f4 < 32 ? chunk_f4 : 32;
+  const int groups = 32 / col_lanes, per_lane = chunk_f4 / col_lanes;  // per_lane <= 4
+  const int group = lane / col_lanes, first_group = member * groups + group;
+  const int col0 = (chunk * chunk_f4 + lane % col_lanes) * 4;  // + 4 col_lanes k
   const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
-  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank;
+  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
   if (big == kNegInf) {  // no split saw a key: zeros and -inf
-    if (split_lane == 0) *reinterpret_cast<uint2*>(out + col) = make_uint2(0, 0);
-    if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = kNegInf;
+    if (first_group == 0)
+      for (int k = 0; k < per_lane; ++k)
+        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) = make_uint2(0, 0);
+    if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = kNegInf;
     return;
   }
   float total = 0.0f;
-  for (int s = tid; s < S; s += kCombineThreads) {
-    const float l = lse_in[s];
-    const float w = l == kNegInf ? 0.0f : expf(l - big);
-    weight_s[s] = w;
-    total += w;
+  for (int s = lane; s < S; s += 32) {
+    const float l = lse_at(s);
+    total += l == kNegInf ? 0.0f : expf(l - big);
   }
-  __syncthreads();  // weights visible; red_s free again
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
 
-  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* o = a.ws_o + item * a.num_splits * kKvLoraRank + col;
+  float4 sum[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) sum[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 4
-  for (int s = split_lane; s < S; s += lanes) {
-    const float w = weight_s[s];
-    if (w != 0.0f) {
-      const float4 v = *reinterpret_cast<const float4*>(o + int64_t(s) * kKvLoraRank);
-      sum.x += w * v.x;
-      sum.y += w * v.y;
-      sum.z += w * v.z;
-      sum.w += w * v.w;
+  for (int s = first_group; s < S; s += team * groups) {
+    const float l = lse_at(s);
+    if (l == kNegInf) continue;
+    const float w = expf(l - big);
+    const float* o = o_at(s) + col0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < per_lane) {
+        const float4 v = *reinterpret_cast<const float4*>(o + 4 * col_lanes * k);
+        sum[k].x += w * v.x;
+        sum[k].y += w * v.y;
+        sum[k].z += w * v.z;
+        sum[k].w += w * v.w;
+      }
     }
   }
-  for (int o2 = 16; o2 > 0; o2 >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o2);
-  if ((tid & 31) == 0) red_s[tid >> 5] = total;
-  part_s[tid] = sum;
-  __syncthreads();
-  if (split_lane != 0) return;
-  total = 0.0f;
+  for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
 #pragma unroll
-  for (int w = 0; w < kCombineThreads / 32; ++w) total += red_s[w];
-  for (int j = 1; j < lanes; ++j) {
-    const float4 v = part_s[j * col_lanes + tid];
-    sum.x += v.x;
-    sum.y += v.y;
-    sum.z += v.z;
-    sum.w += v.w;
+    for (int k = 0; k < 4; ++k) {
+      sum[k].x += __shfl_xor_sync(0xffffffffu, sum[k].x, o);
+      sum[k].y += __shfl_xor_sync(0xffffffffu, sum[k].y, o);
+      sum[k].z += __shfl_xor_sync(0xffffffffu, sum[k].z, o);
+      sum[k].w += __shfl_xor_sync(0xffffffffu, sum[k].w, o);
+    }
+  }
+  if (team > 1) {  // the team's warps, in warp order (the plan gives team 8 per_lane 1)
+    red_s[warp][lane] = sum[0];
+    __syncthreads();
+    if (warp != 0) return;
+    sum[0] = red_s[0][lane];
+    for (int j = 1; j < kCombineWarps; ++j) {
+      const float4 v = red_s[j][lane];
+      sum[0].x += v.x;
+      sum[0].y += v.y;
+      sum[0].z += v.z;
+      sum[0].w += v.w;
+    }
   }
   const float inv = 1.0f / total;
-  *reinterpret_cast<uint2*>(out + col) =
-      make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
-  if (blockIdx.y == 0 && tid == 0) a.lse[out_row] = big + logf(total);
+  if (group == 0) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (k < per_lane)
+        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) =
+            make_uint2(pack2<T>(sum[k].x * inv, sum[k].y * inv),
+                       pack2<T>(sum[k].z * inv, sum[k].w * inv));
+  }
+  if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = big + logf(total);
 }
 
 // ---- host side ------------------------------------------------------------------------
@@ -872,21 +884,38 @@ int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-// Workspace: ws_o [num_requests, max_query_len * heads, num_splits, 512] fp32, then (256-byte
-// aligned) ws_lse [num_requests, max_query_len * heads, num_splits] fp32. Empty with 1 split
-// (unless batch invariant: the combine always runs there).
+// Workspace, three 256-byte aligned parts: ws_o (fp32 partial outputs), ws_lse (their
+// LSEs), and the balanced schedule's pair table (int2 per (request, row tile)).
+//   per_request: ws_o [num_requests, max_query_len * heads, num_splits, 512], ws_lse
+//     [..., num_splits]; empty with 1 split (unless batch invariant: the combine always runs).
+//   balanced: ws_o [2 num_workers, rows_per_cta, 512], ws_lse [2 num_workers, rows_per_cta]
+//     (two slots per worker: decode_sched.cuh, balanced_slot), pair table [num_requests *
+//     row tiles]. 264 workers x 16 rows: 17.3 MB; 132 x 64 rows: 34.6 MB, whatever the batch.
 struct WorkspaceLayout {
-  size_t lse_offset = 0, bytes = 0;
+  size_t lse_offset = 0, table_offset = 0, bytes = 0;
 };
-WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len, int splits,
-                                 bool batch_invariant) {
-  if (splits <= 1 && !batch_invariant) return {};  // the kernel writes out / lse directly
-  const size_t items =
-      size_t(num_requests) * size_t(max_query_len) * size_t(heads) * size_t(splits);
+WorkspaceLayout workspace_layout(const DecodePlan& plan, int num_requests, int heads) {
   WorkspaceLayout w;
+  const size_t max_rows = size_t(plan.max_query_len) * size_t(heads);
+  if (plan.schedule == DecodeSchedule::balanced) {
+    const size_t rows = size_t(2) * size_t(std::max(plan.num_workers, 0)) * plan.rows_per_cta;
+    const size_t pairs = size_t(num_requests) * size_t(ceil_div(int64_t(max_rows), plan.rows_per_cta));
+    w.lse_offset = align256(rows * kKvLoraRank * sizeof(float));
+    w.table_offset = w.lse_offset + align256(rows * sizeof(float));
+    w.bytes = w.table_offset + align256(pairs * sizeof(int2));
+    return w;
+  }
+  if (plan.num_splits <= 1 && !plan.batch_invariant) return {};  // direct out / lse
+  const size_t items = size_t(num_requests) * max_rows * size_t(plan.num_splits);
   w.lse_offset = align256(items * kKvLoraRank * sizeof(float));
-  w.bytes = w.lse_offset + align256(items * sizeof(float));
+  w.table_offset = w.bytes = w.lse_offset + align256(items * sizeof(float));
   return w;
+}
+
+// An integer from the environment (plan-time A/B switches), or `fallback`.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
 }
 
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
@@ -928,8 +957,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     const int64_t seq = std::min<int64_t>(max_seq_len, std::numeric_limits<int32_t>::max());
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(seq, int64_t(kInvariantMinKeys)), 1,
                                               kMaxSplits));
-    plan.workspace_bytes =
-        workspace_layout(num_requests, heads, max_query_len, plan.num_splits, true).bytes;
+    plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
     return plan;
   }
   plan.rows_per_cta = rows_per_cta_for(max_query_len * heads);
@@ -952,18 +980,38 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const int per_sm = std::max(1, std::min(smem_per_sm / smem, threads_per_sm / threads));
   const int64_t ctas =
       int64_t(num_requests) * ceil_div(int64_t(max_query_len) * heads, plan.rows_per_cta);
-  plan.num_splits = choose_num_splits(ctas, max_seq_len, int64_t(sms) * per_sm);
-  plan.workspace_bytes =
-      workspace_layout(num_requests, heads, max_query_len, plan.num_splits, false).bytes;
+  const int64_t slots = int64_t(sms) * per_sm;
+  plan.num_splits = choose_num_splits(ctas, max_seq_len, slots);
+  // Balanced: one wave of workers on every CTA slot (264 on H200 for 16 / 32-row tiles,
+  // 132 for 64-row ones); the device takes fewer when the batch is small (sched_min_keys).
+  const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
+  const bool balanced = sched && *sched ? std::string_view(sched) == "balanced"
+                                        : num_requests <= kDecodeBalancedMaxRequests;
+  if (balanced && num_requests > 0) {
+    plan.schedule = DecodeSchedule::balanced;
+    plan.num_workers =
+        int(std::clamp<int64_t>(env_int("KMLA_DECODE_WORKERS", int(slots)), 1, kMaxSplits));
+    plan.sched_pair_keys = env_int("KMLA_DECODE_PAIR_KEYS", plan.sched_pair_keys);
+    plan.sched_min_keys = env_int("KMLA_DECODE_MIN_KEYS", plan.sched_min_keys);
+    plan.sched_nosplit_keys = env_int("KMLA_DECODE_NOSPLIT_KEYS", plan.sched_nosplit_keys);
+  }
+  int major = 0;
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 1) != 0;
+  plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
+}
+
+size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads) {
+  return workspace_layout(plan, num_requests, heads).bytes;
 }
 
 // The launch depends only on the plan, batch.num_requests and heads (never on lengths read
 // from the device), so a captured graph replays with any lengths of the planned shape.
-// Callers (the tests do) may overwrite plan.num_splits (1..1024) and plan.rows_per_cta
-// (16, 32, 64) after plan_decode, provided plan.workspace_bytes still covers the workspace layout
-// (workspace_layout above: num_requests x max_query_len x heads x num_splits x (512 + 1)
-// fp32, two 256-byte aligned parts); this is checked here.
+// Callers (the tests do) may overwrite the schedule, plan.num_splits (1..1024),
+// plan.num_workers (1..1024), the sched_* costs and plan.rows_per_cta (16, 32, 64) after
+// plan_decode, provided plan.workspace_bytes still covers decode_workspace_bytes(plan, ...)
+// (workspace_layout above); this is checked here.
 void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                       cudaStream_t stream) {
   const DeviceBatch& b = p.batch;
@@ -974,6 +1022,17 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
              "decode: plan.rows_per_cta must be 16, 32 or 64, got ", plan.rows_per_cta);
   KMLA_CHECK(plan.num_splits >= 1 && plan.num_splits <= kMaxSplits,
              "decode: plan.num_splits must be in [1, ", kMaxSplits, "], got ", plan.num_splits);
+  const bool balanced = plan.schedule == DecodeSchedule::balanced;
+  KMLA_CHECK(!balanced || !plan.batch_invariant,
+             "decode: a batch-invariant plan needs the per-request schedule");
+  KMLA_CHECK(!balanced || (plan.num_workers >= 1 && plan.num_workers <= kMaxSplits),
+             "decode: plan.num_workers must be in [1, ", kMaxSplits, "], got ", plan.num_workers);
+  KMLA_CHECK(!balanced || b.num_requests <= kDecodeBalancedMaxRequests,
+             "decode: the balanced schedule takes at most ", kDecodeBalancedMaxRequests,
+             " requests, got ", b.num_requests);
+  KMLA_CHECK(plan.sched_pair_keys >= 0 && plan.sched_min_keys >= 0 && plan.sched_nosplit_keys >= 0,
+             "decode: the plan's scheduler costs must be >= 0, got pair ", plan.sched_pair_keys,
+             ", min ", plan.sched_min_keys, ", nosplit ", plan.sched_nosplit_keys, " keys");
   KMLA_CHECK(plan.max_query_len >= 1 && plan.max_query_len <= 128,
              "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
@@ -994,13 +1053,13 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
   if (b.num_requests == 0) return;
 
-  const WorkspaceLayout ws = workspace_layout(b.num_requests, p.heads, plan.max_query_len,
-                                              plan.num_splits, plan.batch_invariant);
+  const WorkspaceLayout ws = workspace_layout(plan, b.num_requests, p.heads);
   KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
              plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
-             " heads x ", plan.num_splits, " splits need (", ws.bytes, " B)");
-  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: ", plan.num_splits,
-             " splits need a workspace");
+             " heads x ", balanced ? plan.num_workers : plan.num_splits,
+             balanced ? " workers" : " splits", " need (", ws.bytes, " B)");
+  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: the plan needs a workspace of ",
+             ws.bytes, " B, got none");
 
   DecodeArgs a{};
   a.q = p.q;
@@ -1028,16 +1087,27 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.error_flag = p.error_flag;
   a.num_splits = plan.num_splits;
   a.batch_invariant = plan.batch_invariant;
-  a.direct_out = plan.num_splits == 1 && !plan.batch_invariant;
+  a.direct_out = !balanced && plan.num_splits == 1 && !plan.batch_invariant;
   a.max_rows = plan.max_query_len * p.heads;
+  const int rows = plan.rows_per_cta;
+  a.balanced = balanced;
+  a.num_workers = plan.num_workers;
+  a.rows_per_cta = rows;
+  a.row_tiles = int(ceil_div(a.max_rows, rows));
+  a.sched_pair_keys = plan.sched_pair_keys;
+  a.sched_min_keys = plan.sched_min_keys;
+  a.sched_nosplit_keys = plan.sched_nosplit_keys;
   if (ws.bytes) {
-    a.ws_o = static_cast<float*>(workspace);
-    a.ws_lse = reinterpret_cast<float*>(static_cast<std::byte*>(workspace) + ws.lse_offset);
+    std::byte* const base = static_cast<std::byte*>(workspace);
+    a.ws_o = reinterpret_cast<float*>(base);
+    a.ws_lse = reinterpret_cast<float*>(base + ws.lse_offset);
+    if (balanced) a.pair_table = reinterpret_cast<int2*>(base + ws.table_offset);
   }
 
-  const int rows = plan.rows_per_cta;
-  const dim3 grid(unsigned(ceil_div(a.max_rows, rows)), unsigned(plan.num_splits),
-                  unsigned(b.num_requests));
+  // Balanced: one CTA per worker (the workers beyond what the lengths need exit at once).
+  const dim3 grid = balanced ? dim3(unsigned(plan.num_workers))
+                             : dim3(unsigned(a.row_tiles), unsigned(plan.num_splits),
+                                    unsigned(b.num_requests));
   const bool convert = !cache16;
   const bool deep = plan.deep_pipeline && rows == 16;
   const int stages = deep ? (convert ? kDeepStagesFp8 : kDeepStages16) : kStages;
@@ -1062,14 +1132,27 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
     if (!a.direct_out) {
+      // Column chunks and warps per task (see the combine): one warp per row once the rows
+      // alone give ~2K warps (128 requests x 12 heads: 1,536 rows); more chunks, then whole
+      // CTAs per chunk, for fewer rows (one long request: 12 rows x 16 chunks x 8 warps).
       const int64_t items = int64_t(b.num_requests) * a.max_rows;
-      int lanes = 2;
-      while (lanes < 32 && lanes < plan.num_splits) lanes *= 2;
-      const dim3 combine_grid(unsigned(items), unsigned(lanes / 2));
-      // lanes 0: each request picks its own from its own split count (batch invariant).
-      decode_combine_kernel<T>
-          <<<combine_grid, kCombineThreads, 0, stream>>>(a, plan.batch_invariant ? 0 : lanes);
-      KMLA_LAUNCH_CHECK();
+      int chunks = kCombineInvariantChunks, team = 1;
+      if (!plan.batch_invariant) {
+        chunks = 1;
+        while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
+        if (chunks >= 4 && items * chunks <= 512) team = kCombineWarps;
+      }
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(unsigned(team == 1 ? ceil_div(items * chunks, kCombineWarps) : items * chunks));
+      cfg.blockDim = dim3(kCombineThreads);
+      cfg.dynamicSmemBytes = 0;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks, team));
     }
   });
 }

@@ -23,6 +23,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include "cuda/decode_sched.cuh"
 #include "cuda/decode_sm90.cuh"
 #include "cuda/sm90.cuh"
 
@@ -174,8 +175,9 @@ struct KernelFlags {
 };
 
 // ---- the kernel ---------------------------------------------------------------------
-// Grid (as the mma.sync kernel's for 64-row tiles): x = 64-row tile of the request's
-// (token * heads + head) rows, y = KV split, z = request. One CTA per SM (smem above).
+// Grid and work as the mma.sync kernel's for 64-row tiles (decode_sched.cuh): per request,
+// x = 64-row tile of the request's (token * heads + head) rows, y = KV split, z = request;
+// balanced, x = worker, each running its pieces in turn. One CTA per SM (smem above).
 //
 // Warpgroups wg = 0, 1 both load (cp.async) and both compute; they share the 64 rows:
 //   S:  warpgroup wg computes the scores of all 64 rows against keys [32 wg, 32 wg + 32) of
@@ -214,10 +216,13 @@ struct KernelFlags {
 // the 64 keys alone, writes P and its rescale factors (into red_max), and warpgroup 1 waits
 // at the P barrier, then rescales its O half with those factors; only warpgroup 0 keeps m
 // and l. The two warpgroups' PV is unchanged.
+//
+// The kernel runs one piece of work (decode_sched.cuh) per call; under the balanced schedule a
+// CTA runs several in turn, so the TMA mbarriers are invalidated at the end of each piece and
+// initialised afresh (phase 0) by the next.
 template <class T, bool kWideS>
-__global__ void __launch_bounds__(kThreads, 1)
-    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
-                       const __grid_constant__ CUtensorMap kmap) {
+__device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
+                                           const KernelFlags& flags, const CUtensorMap& kmap) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
   __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
@@ -229,31 +234,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);
   uint8_t* const key_ok_s = smem + kKeyOkOff;
 
-  const int r = blockIdx.z, split = blockIdx.y;
-  const int row0 = blockIdx.x * kRows;
-  const int qlen = a.query_lens[r];
-  // Rows past plan.max_query_len are not computed (the grid covers max_rows per request).
-  const int nrows = min(qlen * a.heads, a.max_rows);
-  if (row0 >= nrows) return;  // uniform: padded slot, or past this request's rows
-  const int seq = a.seq_lens[r];
+  // The piece of work (decode_sched.cuh): rows [row0, row0 + 64) of request r, keys
+  // [key0, key1) in 64-key tiles.
+  const int r = work.r;
+  const int row0 = work.row0;
+  const int qlen = work.qlen, seq = work.seq, nrows = work.nrows;
   auto key_count = [&](int row) -> int {  // keys visible to local row `row`
-    if (row >= nrows) return 0;
-    const int token = row / a.heads;
-    return max(0, a.causal ? seq - (qlen - 1 - token) : seq);
+    return decode_row_keys(a, qlen, seq, nrows, row);
   };
-  // The tile's last valid row sees the most keys; num_splits parts of whole 64-key tiles.
-  const int kmax = key_count(min(nrows, row0 + kRows) - 1);
-  const int tiles_all = (kmax + kKeys - 1) / kKeys;
-  const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
-  const int key0 = split * tiles_per_split * kKeys;
-  const int key1 = min(kmax, key0 + tiles_per_split * kKeys);
+  const int key0 = work.key0, key1 = work.key1;
   const int ntiles = key1 > key0 ? (key1 - key0 + kKeys - 1) / kKeys : 0;
   const int tid = threadIdx.x;
-  if (ntiles == 0 && !a.direct_out) {
-    // An empty split: the combine needs its LSE of -inf and then never reads its partial.
-    const int row = row0 + tid;
-    if (tid < kRows && row < nrows)
-      a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
+  if (ntiles == 0 && !work.direct) {
+    // An empty piece: the combine needs its LSE of -inf and then never reads its partial.
+    if (tid < kRows && row0 + tid < nrows)
+      a.ws_lse[work.part + int64_t(tid) * work.part_stride] = kNegInf;
     return;
   }
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -530,7 +525,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     red_sum[wg * kRows + row_lo] = l_lo;
     red_sum[wg * kRows + row_hi] = l_hi;
   }
-  __syncthreads();
+  __syncthreads();  // (also: every wait on full_bar of this piece is behind all threads)
+  if (tma && tid == 0) {
+    mbar_inval(&full_bar[0]);
+    mbar_inval(&full_bar[1]);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = h ? row_hi : row_lo;
@@ -543,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float inv = empty ? 0.0f : a.v_scale / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     const int col0 = kHalfCols * wg + 2 * t;
-    if (a.direct_out) {
+    if (work.direct) {
       T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
       for (int i = 0; i < 32; ++i)
@@ -551,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
       if (wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
     } else {
-      const int64_t w = (int64_t(r) * a.max_rows + row0 + row) * a.num_splits + split;
+      const int64_t w = work.part + int64_t(row) * work.part_stride;
       if (!empty) {
         float* out = a.ws_o + w * kKvLoraRank + col0;
 #pragma unroll
@@ -563,9 +562,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  (void)a;
+  (void)a, (void)work, (void)flags, (void)kmap;
   __trap();  // never launched without sm_90a code (decode_sm90_supports checks the binary)
 #endif
+}
+
+// One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
+// the other.
+template <class T, bool kWideS>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
+                       const __grid_constant__ CUtensorMap kmap) {
+  for_each_decode_work<kRows, kKeys>(
+      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------

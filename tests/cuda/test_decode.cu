@@ -12,13 +12,16 @@
 // what plan_batch does not produce: seq_len 1 (no context), seq_len 0, garbage table
 // entries and padded slots with gaps in the row layout.
 //
-// Test hook: after plan_decode a caller may overwrite num_splits (1..1024) and rows_per_cta
-// (16, 32, 64) as long as workspace_bytes covers the layout decode_attention documents;
-// the tests force 1, several and hundreds of splits and every row tile size this way.
+// Test hook: after plan_decode a caller may overwrite the schedule, num_splits (1..1024),
+// num_workers (1..1024), the scheduler costs and rows_per_cta (16, 32, 64) as long as
+// workspace_bytes covers decode_workspace_bytes; the tests force the per-request schedule
+// with 1, several and hundreds of splits, the balanced one with 1 to 1000 workers, and
+// every row tile size this way.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -29,6 +32,7 @@
 
 #include "cpu/kernels.hpp"
 #include "cuda/attention.cuh"
+#include "cuda/decode_sched.cuh"
 #include "gpu.hpp"
 #include "kmla/config.hpp"
 #include "kmla/numeric.hpp"
@@ -56,11 +60,15 @@ struct DecodeCase {
   uint64_t seed = 1;
 };
 
-// Overrides applied to the plan (0 = keep plan_decode's choice).
+// Overrides applied to the plan (0 / -1 = keep plan_decode's choice).
 struct PlanTweak {
-  int num_splits = 0;
+  int num_splits = 0;  // > 0: the per-request schedule with this many splits
   int rows_per_cta = 0;
   bool deep = false;  // force the deep pipeline for 16-row tiles (where the GPU fits it)
+  int workers = 0;    // > 0: the balanced schedule with this many workers
+  int min_keys = -1;  // balanced: DecodePlan::sched_min_keys
+  int nosplit_keys = -1;
+  int pair_keys = -1;
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -81,6 +89,12 @@ float act_ulp(DType act, float x) {
 
 float act_to_float(DType act, uint16_t v) {
   return act == DType::bf16 ? bf16_to_float(v) : fp16_to_float(v);
+}
+
+// Whether KMLA_DECODE_SCHEDULE overrides plan_decode's choice (an A/B run of the tests).
+bool schedule_forced() {
+  const char* v = std::getenv("KMLA_DECODE_SCHEDULE");
+  return v && *v;
 }
 
 void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
@@ -243,19 +257,32 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
 
   for (const PlanTweak& tweak : tweaks) {
     DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant);
-    if (tweak.num_splits) plan.num_splits = tweak.num_splits;
+    if (!c.batch_invariant && !schedule_forced())  // what plan_decode picks here
+      EXPECT_EQ(plan.schedule, DecodeSchedule::balanced);
+    if (tweak.num_splits) {
+      plan.schedule = DecodeSchedule::per_request;
+      plan.num_splits = tweak.num_splits;
+    }
+    if (tweak.workers) {
+      plan.schedule = DecodeSchedule::balanced;
+      plan.num_workers = tweak.workers;
+    }
+    if (tweak.min_keys >= 0) plan.sched_min_keys = tweak.min_keys;
+    if (tweak.nosplit_keys >= 0) plan.sched_nosplit_keys = tweak.nosplit_keys;
+    if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
     }
-    // The documented workspace layout: fp32 partial outputs and LSEs, 256-byte aligned parts.
-    plan.workspace_bytes = std::max(
-        plan.workspace_bytes,
-        size_t(R) * max_qlen * H * plan.num_splits * (kKvLoraRank + 1) * sizeof(float) + 512);
-    SCOPED_TRACE(::testing::Message() << "splits " << plan.num_splits << ", rows_per_cta "
-                                      << plan.rows_per_cta << (plan.deep_pipeline ? ", deep" : "")
-                                      << (c.batch_invariant ? ", invariant" : ""));
+    plan.workspace_bytes = decode_workspace_bytes(plan, R, H);
+    const bool balanced = plan.schedule == DecodeSchedule::balanced;
+    SCOPED_TRACE(::testing::Message()
+                 << (balanced ? "balanced, workers " : "per request, splits ")
+                 << (balanced ? plan.num_workers : plan.num_splits) << " (min "
+                 << plan.sched_min_keys << ", nosplit " << plan.sched_nosplit_keys << ", pair "
+                 << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
+                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : ""));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);
@@ -504,7 +531,15 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
   EXPECT_EQ(few.rows_per_cta, 16);
   const DecodePlan shorts = plan_decode(2, 16, 1, 200, false);
   EXPECT_EQ(shorts.num_splits, 1);
-  EXPECT_EQ(shorts.workspace_bytes, 0u);
+  // Balanced plans always have a workspace (two slots per worker and the pair table); the
+  // per-request schedule with one split writes out directly and needs none.
+  if (!schedule_forced()) EXPECT_EQ(shorts.schedule, DecodeSchedule::balanced);
+  EXPECT_EQ(shorts.workspace_bytes, decode_workspace_bytes(shorts, 2, 16));
+  EXPECT_GE(shorts.workspace_bytes,
+            size_t(2) * shorts.num_workers * 16 * (kKvLoraRank + 1) * sizeof(float));
+  DecodePlan per = shorts;
+  per.schedule = DecodeSchedule::per_request;
+  EXPECT_EQ(decode_workspace_bytes(per, 2, 16), 0u);
   // One or four long requests: far more than the old cap of 32 splits (264 CTA slots on an
   // H200; any GPU with >= 34 SMs gives > 32), each of >= 256 keys, workspace for all.
   const DecodePlan one_long = plan_decode(1, 12, 1, int64_t(1) << 20, false);
@@ -523,6 +558,287 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
   EXPECT_FALSE(plan_decode(4, 128, 1, 100, false).deep_pipeline);
   EXPECT_THROW(plan_decode(4, 0, 1, 100, false), Error);
   EXPECT_THROW(plan_decode(4, 16, 129, 100, false), Error);
+  // The balanced schedule: one wave of workers; the per-request grid for batch-invariant
+  // plans and above kDecodeBalancedMaxRequests requests.
+  if (!schedule_forced()) {
+    EXPECT_EQ(few.schedule, DecodeSchedule::balanced);
+    EXPECT_GE(few.num_workers, 2);
+    EXPECT_LE(few.num_workers, 1024);
+    EXPECT_EQ(plan_decode(kDecodeBalancedMaxRequests + 1, 16, 1, 100, false).schedule,
+              DecodeSchedule::per_request);
+  }
+  EXPECT_EQ(plan_decode(2, 16, 1, 8192, false, true).schedule, DecodeSchedule::per_request);
+}
+
+// ---- the balanced scheduler ----------------------------------------------------------
+// Balanced plans cut the batch's key tiles into equal worker shares, so pieces start and
+// end anywhere in a request, and several pieces run one after the other in one CTA. The
+// tweaks force few and many workers, cutting every pair (nosplit 0, no start-up charge,
+// tiny shares), 16-row tiles so a request has several pairs, and the per-request grid.
+const std::vector<PlanTweak> kSchedTweaks = {
+    {0, 0},                          // the plan's choice
+    {0, 0, false, 1},                // one worker runs every piece in turn
+    {0, 0, false, 3},                // few workers: long shares, many whole pairs each
+    {0, 0, false, 7, 0, 0, 0},       // everything cut, no charge
+    {0, 0, false, 1000, 0, 0, 0},    // more workers than tiles: 1-tile shares
+    {0, 0, false, 264, 32, 0, 64},   // every pair cut, 1-tile minimum share
+    {0, 16, false, 100, 0, 0, 0},    // 16-row tiles: several pairs per request
+    {2, 0},                          // the per-request grid, for comparison
+};
+
+// Lengths 0, 1 and around block (64) and tile (32) boundaries, padded slots between real
+// requests, and one long request among them.
+TEST(CudaDecodeSched, MixedLengthsAndPaddedSlots) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 16;
+  c.block_size = 64;
+  c.seq_lens = {0, 1, 63, 64, 65, 0, 31, 32, 33, 127, 128, 129, 4000, 9000, 2, 700};
+  c.query_lens = {1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+  c.seed = 41;
+  run_case(c, kSchedTweaks);
+}
+
+// One 64K-key request among many short ones: the long one is cut over most workers, the
+// short ones stay whole; odd head count and block size.
+TEST(CudaDecodeSched, OneLongRequestAmongShortOnes) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 5;
+  c.block_size = 100;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 150; ++i) {
+    c.seq_lens.push_back(i == 77 ? 65536 : int(rng() % 300));
+    c.query_lens.push_back(i % 37 == 5 ? 0 : 1);
+  }
+  c.seed = 42;
+  run_case(c, {{0, 0}, {0, 0, false, 17}, {0, 0, false, 1000, 0, 0, 0}, {4, 0}});
+}
+
+// Causal multi-token rows: 3 to 5 tokens x 12 heads, so the tiles of a request see
+// different key counts (the last row of each tile sets its range), with 16, 32 and 64-row
+// tiles; the same non-causal; and fp8_ds_mla through the raw-tile conversion.
+TEST(CudaDecodeSched, MultiTokenRows) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {5, 64, 65, 0, 3000, 1, 700, 12000};
+  c.query_lens = {5, 3, 4, 0, 5, 1, 2, 3};
+  c.seed = 43;
+  run_case(c, {{0, 0}, {0, 16, false, 50}, {0, 32, false, 9, 0, 0, 0}, {0, 64, false, 200, 0, 0, 0}});
+  c.causal = false;
+  c.seed = 44;
+  run_case(c, {{0, 0}, {0, 16, false, 31, 0, 0, 0}});
+  c.causal = true;
+  c.format = CacheFormat::fp8_ds_mla;
+  c.act = DType::f16;
+  c.seed = 45;
+  run_case(c, {{0, 0}, {0, 0, false, 77, 0, 0, 0}, {0, 0, true, 40, 0, 0, 0}});
+}
+
+// 64 heads: 64-row tiles, which on sm_90 run the wgmma kernel (64-key tiles, the same
+// scheduler), balanced and per request.
+TEST(CudaDecodeSched, SixtyFourHeads) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 64;
+  c.block_size = 64;
+  c.seq_lens = {1, 0, 64, 65, 5000, 129, 20000};
+  c.query_lens = {1, 1, 1, 0, 2, 1, 1};
+  c.seed = 46;
+  run_case(c, {{0, 0}, {0, 0, false, 5}, {0, 0, false, 300, 0, 0, 0}, {3, 0}});
+}
+
+// ---- the scheduler's arithmetic on the CPU ------------------------------------------------
+// balanced_walk replayed for every worker of random batches (the device prologue's prefix
+// sum done here by a plain loop): every live (request, row tile) pair's keys [0, kmax) are
+// covered by its pieces exactly once, in order, tile aligned; a pair has one direct piece
+// or n >= 2 pieces in the slots balanced_slot names, no slot used twice; the pair table
+// matches; and no worker gets more than its share plus the pairs it may not cut.
+struct HostSchedCase {
+  int heads = 8, max_qlen = 1, rows = 16, key_tile = 32, grid = 264;
+  bool causal = true;
+  int pair_keys = 32, min_keys = 256, nosplit_keys = 512;
+  std::vector<int32_t> seq, qlen;
+};
+
+// Every piece of worker w, as the device walks them (off: the requests' first units).
+template <int ROWS, int KEY_TILE, class F>
+void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, int64_t total,
+                 const std::vector<int64_t>& off, bool write_table, F&& f) {
+  const int64_t lo = share_begin(w, total, workers);
+  const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
+  WalkState st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
+  DecodeWork p;
+  while (next_piece<ROWS, KEY_TILE>(a, st, write_table, p)) f(p);
+}
+
+template <int ROWS, int KEY_TILE>
+void check_host_schedule(const HostSchedCase& c) {
+  const int R = int(c.seq.size());
+  DecodeArgs a{};
+  a.seq_lens = c.seq.data();
+  a.query_lens = c.qlen.data();
+  a.num_requests = R;
+  a.heads = c.heads;
+  a.causal = c.causal;
+  a.max_rows = c.max_qlen * c.heads;
+  a.balanced = true;
+  a.num_workers = c.grid;
+  a.rows_per_cta = ROWS;
+  a.row_tiles = (a.max_rows + ROWS - 1) / ROWS;
+  a.sched_pair_keys = c.pair_keys;
+  a.sched_min_keys = c.min_keys;
+  a.sched_nosplit_keys = c.nosplit_keys;
+  std::vector<int2> table(size_t(R) * a.row_tiles, make_int2(-1, -1));
+  a.pair_table = table.data();
+
+  const SchedUnits u = sched_units(a, KEY_TILE);
+  std::vector<int64_t> off(R + 1, 0);
+  for (int r = 0; r < R; ++r) off[r + 1] = off[r] + request_units(a, ROWS, KEY_TILE, u, r);
+  const int64_t total = off[R];
+  if (total == 0) return;
+  const int workers = balanced_workers(total, c.grid, u.min_worker);
+  ASSERT_GE(workers, 1);
+  ASSERT_LE(workers, c.grid);
+
+  struct Piece {
+    int worker, key0, key1;
+    bool direct;
+    int64_t part;
+  };
+  std::vector<std::vector<Piece>> pieces(table.size());
+  std::vector<int> slot_uses(size_t(2) * workers, 0);
+  int64_t max_cut_free = 0;  // the longest pair a worker may take whole
+  for (int w = 0; w < workers; ++w) {
+    const int64_t lo = share_begin(w, total, workers), hi = share_begin(w + 1, total, workers);
+    ASSERT_LT(lo, hi) << "worker " << w << " has an empty share";
+    int64_t tiles_done = 0;
+    walk_worker<ROWS, KEY_TILE>(a, u, w, workers, total, off, true, [&](const DecodeWork& p) {
+                                    const size_t pair = size_t(p.r) * a.row_tiles + p.row0 / ROWS;
+                                    pieces[pair].push_back({w, p.key0, p.key1, p.direct, p.part});
+                                    tiles_done += (p.key1 - p.key0 + KEY_TILE - 1) / KEY_TILE;
+                                    if (!p.direct) {
+                                      ASSERT_EQ(p.part % ROWS, 0);
+                                      ASSERT_EQ(p.part_stride, 1);
+                                      ++slot_uses[size_t(p.part / ROWS)];
+                                    }
+                                  });
+    // Cut-free pairs: at most nosplit tiles, or an eighth of a share.
+    max_cut_free = std::max<int64_t>(u.nosplit + u.pair, (total / workers) / 8);
+    EXPECT_LE(tiles_done, hi - lo + 2 * max_cut_free + 1) << "worker " << w << " overloaded";
+  }
+  for (int uses : slot_uses) EXPECT_LE(uses, 1) << "a partial slot used twice";
+
+  for (int r = 0; r < R; ++r) {
+    const int nrows = std::min(c.qlen[r] * c.heads, a.max_rows);
+    for (int t = 0; t < a.row_tiles; ++t) {
+      const size_t pair = size_t(r) * a.row_tiles + t;
+      const auto& ps = pieces[pair];
+      if (t * ROWS >= nrows) {
+        EXPECT_TRUE(ps.empty()) << "pieces for a tile without rows";
+        continue;
+      }
+      SCOPED_TRACE(::testing::Message() << "request " << r << " (seq " << c.seq[r] << ", qlen "
+                                        << c.qlen[r] << ") tile " << t);
+      const int last = std::min(nrows, (t + 1) * ROWS) - 1;
+      const int kmax = std::max(0, c.causal ? c.seq[r] - (c.qlen[r] - 1 - last / c.heads) : c.seq[r]);
+      ASSERT_FALSE(ps.empty()) << "a live tile got no piece";
+      const int2 info = table[pair];
+      ASSERT_EQ(info.y, int(ps.size()));
+      int next = 0;
+      for (size_t s = 0; s < ps.size(); ++s) {
+        EXPECT_EQ(ps[s].key0 % KEY_TILE, 0);
+        if (ps[s].key1 > ps[s].key0) {
+          EXPECT_EQ(ps[s].key0, next) << "piece " << s << " leaves a gap or overlaps";
+          next = ps[s].key1;
+        }
+        EXPECT_EQ(ps[s].direct, ps.size() == 1);
+        if (ps.size() > 1) {
+          // Where the piece writes its rows is where the combine reads them.
+          EXPECT_EQ(ps[s].worker, info.x + int(s));
+          for (int row = 0; row < ROWS; ++row)
+            EXPECT_EQ(ps[s].part + row, balanced_partial(info.x, info.y, int(s), ROWS, row));
+        }
+      }
+      EXPECT_EQ(next, kmax) << "keys not covered to the end";
+    }
+  }
+}
+
+TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 300; ++trial) {
+    HostSchedCase c;
+    const int R = 1 + int(rng() % (trial % 3 == 0 ? 300 : 20));
+    c.heads = 1 + int(rng() % 20);
+    c.max_qlen = 1 + int(rng() % 4);
+    c.causal = rng() % 4 != 0;
+    c.grid = 1 + int(rng() % (trial % 2 ? 264 : 1024));
+    c.pair_keys = int(rng() % 3) * 32;
+    c.min_keys = int(rng() % 3) * 256;
+    c.nosplit_keys = int(rng() % 3) * 512;
+    for (int r = 0; r < R; ++r) {
+      const int kind = int(rng() % 10);
+      c.seq.push_back(kind == 0 ? 0 : kind == 1 ? 1 + int(rng() % 3) * 32 - int(rng() % 2)
+                      : kind == 2 ? 20000 + int(rng() % 50000) : int(rng() % 3000));
+      c.qlen.push_back(kind == 3 ? 0 : 1 + int(rng() % c.max_qlen));
+    }
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << R << " requests, "
+                                      << c.heads << " heads, grid " << c.grid);
+    if (trial % 4 == 3) {
+      check_host_schedule<64, 64>(c);  // the wgmma kernel's tiles
+    } else if (trial % 4 == 2) {
+      check_host_schedule<16, 32>(c);
+    } else {
+      check_host_schedule<32, 32>(c);
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// The mixed-length bench batch (lengths 4096..12288, mean 8192, as src/bench/cases.cpp's
+// mixed_lengths) on 264 workers: no worker above 1.1x the mean share, where the
+// per-request grid's longest CTA is ~1.5x (a request of 12288 keys in 2 splits against a
+// mean of 4096 per CTA).
+TEST(DecodeSched, MixedBenchBatchIsBalanced) {
+  HostSchedCase c;
+  c.heads = 12;
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int i = 0; i < 128; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    c.seq.push_back(std::max<int32_t>(1, int32_t(4096 + int64_t(x % 8193))));
+    c.qlen.push_back(1);
+  }
+  check_host_schedule<16, 32>(c);
+  DecodeArgs a{};
+  a.seq_lens = c.seq.data();
+  a.query_lens = c.qlen.data();
+  a.num_requests = 128;
+  a.heads = 12;
+  a.causal = true;
+  a.max_rows = 12;
+  a.row_tiles = 1;
+  a.sched_pair_keys = 32;
+  a.sched_min_keys = 256;
+  a.sched_nosplit_keys = 512;
+  const SchedUnits u = sched_units(a, 32);
+  std::vector<int64_t> off(129, 0);
+  for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
+  const int64_t total = off[128];
+  const int workers = balanced_workers(total, 264, u.min_worker);
+  EXPECT_EQ(workers, 264);
+  int64_t most = 0, sum = 0;
+  for (int w = 0; w < workers; ++w) {
+    int64_t tiles = 0;
+    walk_worker<16, 32>(a, u, w, workers, total, off, false, [&](const DecodeWork& p) {
+      tiles += (p.key1 - p.key0 + 31) / 32 + u.pair;  // each piece pays a start-up
+    });
+    most = std::max(most, tiles);
+    sum += tiles;
+  }
+  EXPECT_LE(double(most), 1.1 * double(sum) / workers);
 }
 
 // ---- batch invariance ------------------------------------------------------------------

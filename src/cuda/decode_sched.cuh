@@ -1,0 +1,370 @@
+// The decode scheduler: which keys of which request each CTA of the split-KV kernels works
+// on, and where it leaves its partial result for the combine. Shared by the mma.sync kernel
+// (decode_attention.cu, 32-key tiles) and the wgmma kernel (decode_sm90.cu, 64-key tiles);
+// docs/decode_sm90.md, section "Scheduler", explains the design and its budgets.
+//
+// Two schedules (DecodePlan::schedule):
+//   per_request: grid (row tiles, num_splits, requests); a request's keys are cut into
+//     splits from its own length (equal tile ranges, or the batch-invariant sizes). The CTA
+//     of the longest request sets the tail, so mixed lengths leave most of the GPU idle.
+//   balanced: grid (num_workers); the work is the list of (request, row tile) pairs, each
+//     costing its key tiles plus a fixed start-up charge. Every CTA (a "worker") reads the
+//     lengths, prefix-sums the costs and takes an equal share [lo, hi) of the total: the
+//     pairs inside it whole, the pairs across its ends in part. Short pairs are never cut:
+//     the worker whose share holds the pair's midpoint takes all of it.
+// Everything a worker computes comes from seq_lens / query_lens on the device and the
+// plan's constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/decode_args.cuh"
+
+namespace kmla::cuda {
+
+inline constexpr int kMaxSplits = 1024;  // most per-request grid splits, most workers
+// Batch-invariant mode: a split covers at least this many keys (16 tiles). Against 512 x
+// 1152 B = 590 KB of bf16 keys a 16-row split writes and the combine reads 2 x 32 KB of
+// fp32 partials (~11 %); 512 keys reach the 1024-split cap at 512K keys, beyond which the
+// split grows with the sequence.
+inline constexpr int kInvariantMinKeys = 512;
+
+// Batch-invariant split policy: keys per split for a request of `seq` keys, from its own
+// length only: kInvariantMinKeys, or more (a whole number of tiles) so that at most
+// kMaxSplits splits cover it. A grid of fewer splits than that (a plan made for shorter
+// sequences, e.g. a CUDA graph's DecodeShape::max_seq_len) spreads the keys over the
+// grid's splits instead: still exact, no longer batch invariant.
+template <int KEY_TILE>
+__host__ __device__ inline int invariant_keys_per_split(int seq, int grid_splits) {
+  const int64_t tiles_at_cap = (int64_t(seq) + int64_t(kMaxSplits) * KEY_TILE - 1) /
+                               (int64_t(kMaxSplits) * KEY_TILE);
+  int64_t per = tiles_at_cap * KEY_TILE;
+  per = per > kInvariantMinKeys ? per : kInvariantMinKeys;
+  if ((int64_t(seq) + per - 1) / per > grid_splits) {
+    const int64_t tiles = (int64_t(seq) + KEY_TILE - 1) / KEY_TILE;
+    per = (tiles + grid_splits - 1) / grid_splits * KEY_TILE;
+  }
+  return int(per);
+}
+
+// Splits a request of `seq` keys uses in batch-invariant mode (32-key tiles: only the
+// mma.sync kernel runs invariant plans).
+__host__ __device__ inline int invariant_splits(int seq, int grid_splits) {
+  const int per = invariant_keys_per_split<32>(seq, grid_splits);
+  return int((int64_t(seq) + per - 1) / per);
+}
+
+// One piece of a CTA's work: query rows [row0, row0 + ROWS) of request r (clipped to its
+// nrows) against keys [key0, key1) of the range those rows see.
+struct DecodeWork {
+  int r = 0;
+  int row0 = 0;   // first (token * heads + head) row of the tile, counted in the request
+  int qlen = 0, seq = 0;
+  int nrows = 0;  // rows of the request the grid covers: min(qlen * heads, max_rows)
+  int key0 = 0, key1 = 0;  // key0 is tile aligned; key1 <= the tile's last row's keys
+  bool direct = false;     // the tile's only piece: write out / lse, no combine
+  int64_t part = 0;        // ws_lse index of local row 0 (ws_o: the same times 512)
+  int part_stride = 1;     // ws_lse index step from one local row to the next
+};
+
+// Keys visible to request-local row `row` (0 for rows past the request): causal rows are
+// bottom-right aligned.
+__host__ __device__ inline int decode_row_keys(const DecodeArgs& a, int qlen, int seq, int nrows,
+                                               int row) {
+  if (row >= nrows) return 0;
+  const int k = a.causal ? seq - (qlen - 1 - row / a.heads) : seq;
+  return k > 0 ? k : 0;
+}
+
+// ---- per-request schedule -----------------------------------------------------------
+// The CTA's piece from blockIdx = (row tile, split, request); false when the tile has no
+// rows (a padded slot, or past the request's rows).
+template <int ROWS, int KEY_TILE>
+__device__ inline bool per_request_work(const DecodeArgs& a, DecodeWork& w) {
+  w.r = int(blockIdx.z);
+  const int split = int(blockIdx.y);
+  w.row0 = int(blockIdx.x) * ROWS;
+  w.qlen = a.query_lens[w.r];
+  // Rows past plan.max_query_len (a caller breaking the plan) are not computed: the grid
+  // and the workspace only cover max_rows per request.
+  w.nrows = min(w.qlen * a.heads, a.max_rows);
+  if (w.row0 >= w.nrows) return false;
+  w.seq = a.seq_lens[w.r];
+  // The tile's last valid row sees the most keys; split that range into tile-aligned parts.
+  // Default: num_splits equal parts. Batch invariant: parts of a size set by the request's
+  // own length (never by the batch), so a row's keys fall into the same splits and tiles
+  // however the batch around it looks.
+  const int kmax = decode_row_keys(a, w.qlen, w.seq, w.nrows, min(w.nrows, w.row0 + ROWS) - 1);
+  if (a.batch_invariant) {
+    // Split `split` starts at split * per; past the tile's keys it is empty (key0 = kmax).
+    const int per = invariant_keys_per_split<KEY_TILE>(w.seq, a.num_splits);
+    w.key0 = unsigned(split) < (unsigned(kmax) + unsigned(per) - 1u) / unsigned(per) ? split * per
+                                                                                  : kmax;
+    w.key1 = min(kmax, w.key0 + per);
+  } else {
+    const int tiles_all = (kmax + KEY_TILE - 1) / KEY_TILE;
+    const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
+    w.key0 = split * tiles_per_split * KEY_TILE;
+    w.key1 = min(kmax, w.key0 + tiles_per_split * KEY_TILE);
+  }
+  w.direct = a.direct_out;
+  w.part = (int64_t(w.r) * a.max_rows + w.row0) * a.num_splits + split;
+  w.part_stride = a.num_splits;
+  return true;
+}
+
+// ---- balanced schedule ------------------------------------------------------------------
+// Costs in key tiles of the kernel that runs (32 or 64 keys).
+struct SchedUnits {
+  int pair = 1;         // start-up charge of one (request, row tile) pair, >= 1
+  int min_worker = 1;   // fewest units a worker gets (fewer workers for small batches)
+  int nosplit = 0;      // pairs of at most this many key tiles are never cut
+};
+
+__host__ __device__ inline SchedUnits sched_units(const DecodeArgs& a, int key_tile) {
+  SchedUnits u;
+  const int pair = (a.sched_pair_keys + key_tile - 1) / key_tile;
+  const int minw = (a.sched_min_keys + key_tile - 1) / key_tile;
+  u.pair = pair > 1 ? pair : 1;
+  u.min_worker = minw > 1 ? minw : 1;
+  u.nosplit = a.sched_nosplit_keys / key_tile;
+  return u;
+}
+
+// Key tiles of row tile `row0` of a request (-1 when the tile has no rows) and its keys.
+__host__ __device__ inline int pair_tiles(const DecodeArgs& a, int rows, int key_tile, int qlen,
+                                          int seq, int nrows, int row0, int* kmax) {
+  if (row0 >= nrows) return -1;
+  const int last = row0 + rows < nrows ? row0 + rows - 1 : nrows - 1;
+  *kmax = decode_row_keys(a, qlen, seq, nrows, last);
+  return (*kmax + key_tile - 1) / key_tile;
+}
+
+// Cost of request r: its live row tiles' key tiles plus one start-up charge each.
+__host__ __device__ inline int64_t request_units(const DecodeArgs& a, int rows, int key_tile,
+                                                 const SchedUnits& u, int r) {
+  const int qlen = a.query_lens[r], seq = a.seq_lens[r];
+  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  int64_t sum = 0;
+  for (int row0 = 0; row0 < nrows; row0 += rows) {
+    int kmax = 0;
+    sum += pair_tiles(a, rows, key_tile, qlen, seq, nrows, row0, &kmax) + u.pair;
+  }
+  return sum;
+}
+
+// Workers that get a share of `total` units: the grid's, fewer when the shares would drop
+// below u.min_worker. Every share is then non-empty.
+__host__ __device__ inline int balanced_workers(int64_t total, int grid, int min_worker) {
+  const int64_t by_size = (total + min_worker - 1) / min_worker;
+  const int64_t w = by_size < grid ? by_size : grid;
+  return int(w > 1 ? w : 1);
+}
+// Worker w's share is [w * total / W, (w + 1) * total / W); the worker holding unit x is the
+// largest w with w * total / W <= x, i.e. ceil((x + 1) W / total) - 1.
+__host__ __device__ inline int64_t share_begin(int64_t w, int64_t total, int workers) {
+  return w * total / workers;
+}
+__host__ __device__ inline int worker_of(int64_t x, int64_t total, int workers) {
+  return int(((x + 1) * workers + total - 1) / total - 1);
+}
+
+// Partial slots: only a piece that crosses an end of its worker's share has company (a
+// piece wholly inside one share is its pair's only piece and writes out directly), so a
+// worker needs at most two slots: 2w + 1 for the piece that runs past its end (also when it
+// starts before its beginning), 2w for the piece that starts before its beginning and ends
+// inside. Piece s of a pair cut into n pieces from worker w0 on is therefore in slot
+// 2 (w0 + s) + (s < n - 1).
+__host__ __device__ inline int64_t balanced_slot(int w0, int n, int s) {
+  return 2 * int64_t(w0 + s) + (s < n - 1 ? 1 : 0);
+}
+// The ws_lse index (ws_o: times 512) of that piece's partial for tile-local row `row`.
+__host__ __device__ inline int64_t balanced_partial(int w0, int n, int s, int rows, int row) {
+  return balanced_slot(w0, n, s) * rows + row;
+}
+
+// A worker's share and where its walk over the pairs stands.
+struct WalkState {
+  int64_t lo = 0, hi = 0, total = 0;  // the share [lo, hi) of `total` units
+  int worker = 0, workers = 1;
+  int r = 0, tile = 0;  // the next pair to look at
+  int64_t off = 0;      // its first unit
+  SchedUnits u;
+  int unused = 0;
+};
+
+// The worker's share, its walk starting at request r whose first unit is `off` (the first
+// request whose units reach the share).
+__host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker, int workers,
+                                                int64_t total, int r, int64_t off) {
+  WalkState st;
+  st.u = u;
+  st.lo = share_begin(worker, total, workers);
+  st.hi = share_begin(worker + 1, total, workers);
+  st.total = total;
+  st.worker = worker;
+  st.workers = workers;
+  st.r = r;
+  st.off = off;
+  return st;
+}
+
+// Moves st past the worker's next piece and describes it in w; false when the worker has no
+// more. The worker that takes a pair's first piece records (first worker, pieces) in
+// a.pair_table (when write_table: one thread of the CTA) for the combine. Pure integer
+// arithmetic over the lengths: the CPU test replays it for every worker.
+template <int ROWS, int KEY_TILE>
+__host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, bool write_table,
+                                           DecodeWork& w) {
+  const SchedUnits& u = st.u;
+  // Pairs at most 1/8 of a share long are never cut either: cutting them saves at most a
+  // few % of a worker's time and costs a partial write and a combine read.
+  const int64_t short_units = (st.total / st.workers) / 8;
+  while (st.r < a.num_requests && st.off < st.hi) {
+    w.r = st.r;
+    w.qlen = a.query_lens[st.r];
+    w.seq = a.seq_lens[st.r];
+    w.nrows = w.qlen * a.heads < a.max_rows ? w.qlen * a.heads : a.max_rows;
+    w.row0 = st.tile * ROWS;
+    int kmax = 0;
+    const int tiles = pair_tiles(a, ROWS, KEY_TILE, w.qlen, w.seq, w.nrows, w.row0, &kmax);
+    if (tiles < 0) {  // past the request's rows: on to the next request
+      ++st.r;
+      st.tile = 0;
+      continue;
+    }
+    const int64_t pair = int64_t(st.r) * a.row_tiles + st.tile;
+    const int64_t off = st.off, units = tiles + u.pair, end = off + units;
+    st.off = end;
+    ++st.tile;
+    if (tiles <= u.nosplit || units <= short_units) {
+      const int64_t mid = off + units / 2;  // whole, to the worker holding the midpoint
+      if (st.lo <= mid && mid < st.hi) {
+        w.key0 = 0;
+        w.key1 = kmax;
+        w.direct = true;
+        w.part = 0;
+        w.part_stride = 0;
+        if (write_table) a.pair_table[pair] = make_int2(st.worker, 1);
+        return true;
+      }
+    } else if (end > st.lo) {
+      const int w0 = worker_of(off, st.total, st.workers);
+      const int n = worker_of(end - 1, st.total, st.workers) - w0 + 1, s = st.worker - w0;
+      // Units [u0, u1) of the pair map onto its key tiles proportionally (the start-up
+      // charge spread over them), so neighbouring pieces meet on the same tile.
+      const int64_t u0 = (st.lo > off ? st.lo : off) - off, u1 = (st.hi < end ? st.hi : end) - off;
+      const int t0 = int(u0 * tiles / units), t1 = int(u1 * tiles / units);
+      w.key0 = t0 * KEY_TILE;
+      w.key1 = t1 * KEY_TILE < kmax ? t1 * KEY_TILE : kmax;
+      if (w.key1 < w.key0) w.key1 = w.key0;
+      w.direct = n == 1;
+      w.part = balanced_partial(w0, n, s, ROWS, 0);
+      w.part_stride = 1;
+      if (s == 0 && write_table) a.pair_table[pair] = make_int2(w0, n);
+      return true;
+    }
+  }
+  return false;
+}
+
+#ifdef __CUDACC__
+// The balanced schedule's prologue: every thread sums the units of a contiguous run of
+// requests, a block-wide scan turns those into offsets, and the thread whose run holds this
+// worker's first unit finds the request there; thread 0 stores the worker's WalkState in
+// walk_s. False when the worker has nothing to do. Cost per CTA: ceil(R / threads) length
+// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers.
+template <int ROWS, int KEY_TILE>
+__device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
+  __shared__ int64_t warp_sum_s[32];
+  __shared__ int64_t start_s[2];
+  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
+  const SchedUnits u = sched_units(a, KEY_TILE);
+  const int per = (a.num_requests + nthreads - 1) / nthreads;
+  const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
+  int64_t mine = 0;
+  for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
+  int64_t incl = mine;  // inclusive scan within the warp
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sum_s[warp] = incl;
+  __syncthreads();
+  int64_t before = incl - mine, total = 0;
+  for (int i = 0; i < nthreads / 32; ++i) {
+    const int64_t v = warp_sum_s[i];
+    if (i < warp) before += v;
+    total += v;
+  }
+  if (total == 0) return false;  // no request has rows
+  const int workers = balanced_workers(total, int(gridDim.x), u.min_worker);
+  const int worker = int(blockIdx.x);
+  if (worker >= workers) return false;
+  const int64_t lo = share_begin(worker, total, workers);
+  if (mine > 0 && before <= lo && lo < before + mine) {
+    int64_t off = before;
+    for (int r = rb; r < re; ++r) {
+      const int64_t units = request_units(a, ROWS, KEY_TILE, u, r);
+      if (lo < off + units) {
+        start_s[0] = r;
+        start_s[1] = off;
+        break;
+      }
+      off += units;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const WalkState st = start_walk(u, worker, workers, total, int(start_s[0]), start_s[1]);
+    memcpy(walk_s, &st, sizeof(st));
+  }
+  __syncthreads();
+  return true;
+}
+
+// Runs `run(work)` for each piece of this CTA's work, with a barrier between pieces (the
+// pieces reuse the CTA's shared memory). Every thread of the CTA must call it. ROWS and
+// KEY_TILE are the calling kernel's row tile and key tile.
+template <int ROWS, int KEY_TILE, class Run>
+__device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& run) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Let the combine (launched as a programmatic dependent) get on the GPU now: it waits
+  // for this grid's completion before it reads anything (griddepcontrol.wait).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  // The walk's state and the piece live in shared memory (thread 0 writes them), so no
+  // register holds them while a piece runs: the 32 / 64-row kernels have none to spare (128
+  // per thread, 64 of them accumulators); the piece reads its fields where it needs them.
+  // One call site of run() for both schedules, so the piece's code is inlined once.
+  static_assert(sizeof(WalkState) % sizeof(int64_t) == 0 && sizeof(DecodeWork) % 8 == 0);
+  __shared__ int64_t walk_s[sizeof(WalkState) / sizeof(int64_t)];
+  __shared__ int64_t work_s[sizeof(DecodeWork) / sizeof(int64_t)];
+  const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
+  const int tid = int(threadIdx.x);
+  if (a.balanced && !balanced_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
+  for (;;) {
+    DecodeWork w;
+    bool more;
+    if (!a.balanced) {
+      more = per_request_work<ROWS, KEY_TILE>(a, w);
+    } else {
+      WalkState st;
+      memcpy(&st, walk_s, sizeof(st));  // (a barrier is between every write and read)
+      more = next_piece<ROWS, KEY_TILE>(a, st, tid == 0, w);
+      if (more) __syncthreads();  // everyone has read the state (uniform)
+      if (more && tid == 0) memcpy(walk_s, &st, sizeof(st));
+    }
+    if (!more) return;
+    if (tid == 0) memcpy(work_s, &w, sizeof(w));
+    __syncthreads();
+    run(work);
+    if (!a.balanced) return;  // one piece per CTA
+    __syncthreads();  // the next piece reuses shared memory; the state is read after this
+  }
+}
+#endif
+
+}  // namespace kmla::cuda
