@@ -380,10 +380,18 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 }
 
 // One CTA of 16 rows over keys [key0, key1) (ntiles tiles) of request r, split `split`.
-template <class T, bool kPlain, class KeyCount>
+// kF16Mma (plain fp8, bf16 activations; KMLA_FP8_DECODE=f16mma): both mma run on f16
+// operands, so a pair of codes costs one conversion instead of four. Q is scaled per row by
+// a power of two 2^(14 - e) (e: exponent of the row's largest |q|) into f16, exact for
+// every element within 2^-28 of that maximum (bf16's 8-bit significand fits f16's 11 bits);
+// the scale comes back in the fp32 score scale. P is rounded to bf16 as in the bf16 mma and
+// stored times 2^12 (exact in f16 down to p = 2^-26), taken out with 1 / l.
+template <class T, bool kPlain, bool kF16Mma, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem, int r,
                                                  int split, int row0, int nrows, int key0,
                                                  int key1, int ntiles, KeyCount key_count) {
+  static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
+  using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
   constexpr int kChunks = kEntry / 16;  // 36 or 41 per raw row
@@ -451,7 +459,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) return 0u;
     const int64_t e = (out_row0 + row) * kLatentDim + d;
     if (a.q_fp8)  // d is even: one aligned pair of codes
-      return e4m3x2_to_act<T>(static_cast<const uint16_t*>(a.q)[e >> 1]);
+      return e4m3x2_to_act<M>(static_cast<const uint16_t*>(a.q)[e >> 1]);
     return *reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.q) + e);
   };
   uint32_t qa[9][4];
@@ -472,6 +480,55 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     qa[i][1] = q_pair(g + 8, d0);
     qa[i][2] = q_pair(g, d1);
     qa[i][3] = q_pair(g + 8, d1);
+  }
+  float score_lo = a.score_scale_log2, score_hi = a.score_scale_log2;
+  if constexpr (kF16Mma) {
+    if (!a.q_fp8) {  // bf16 Q -> f16 scaled per row (fp8 Q codes are exact in f16 as is)
+      float mx[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 9; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t v = qa[i][j] & 0x7FFF7FFFu;
+          mx[j & 1] = fmaxf(mx[j & 1], fmaxf(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u)));
+        }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+      }
+      float* const qmax_s = reinterpret_cast<float*>(s_part);  // free until tile 0's S
+      if (tq == 0) {
+        qmax_s[warp * 16 + g] = mx[0];
+        qmax_s[warp * 16 + g + 8] = mx[1];
+      }
+      __syncthreads();
+      float mul[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) m = fmaxf(m, qmax_s[w * 16 + g + 8 * h]);
+        // m in [2^(e-127), 2^(e-126)) -> times 2^(141 - e) in [2^14, 2^15); e clamped to
+        // [15, 255] keeps both factors normal floats (inf / NaN rows stay inf / NaN)
+        const int e = max(15, int(__float_as_uint(m) >> 23));
+        mul[h] = __uint_as_float(uint32_t(268 - e) << 23);
+        if (h == 0)
+          score_lo *= __uint_as_float(uint32_t(e - 14) << 23);
+        else
+          score_hi *= __uint_as_float(uint32_t(e - 14) << 23);
+      }
+#pragma unroll
+      for (int i = 0; i < 9; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t v = qa[i][j];
+          const float f = mul[j & 1];
+          const __half2 hq = __floats2half2_rn(__uint_as_float(v << 16) * f,
+                                               __uint_as_float(v & 0xFFFF0000u) * f);
+          qa[i][j] = reinterpret_cast<const uint32_t&>(hq);
+        }
+    }
   }
 
   const int count_lo = key_count(row0 + g), count_hi = key_count(row0 + g + 8);
@@ -523,13 +580,13 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           if constexpr (kPlain) {
-            kf[bi][s][n][0] = e4m3x2_to_act<T>(ws[s]);
-            kf[bi][s][n][1] = e4m3x2_to_act<T>(ws[s] >> 16);
+            kf[bi][s][n][0] = e4m3x2_to_act<M>(ws[s]);
+            kf[bi][s][n][1] = e4m3x2_to_act<M>(ws[s] >> 16);
           } else {
             kf[bi][s][n][0] = e4m3x2_scaled_to_act<T>(ws[s], ks_scale[n], ks_scale[n]);
             kf[bi][s][n][1] = e4m3x2_scaled_to_act<T>(ws[s] >> 16, ks_scale[n], ks_scale[n]);
           }
-          mma_16816<T>(sp4[n], qa[4 * bi + s], kf[bi][s][n][0], kf[bi][s][n][1]);
+          mma_16816<M>(sp4[n], qa[4 * bi + s], kf[bi][s][n][0], kf[bi][s][n][1]);
         }
       }
     }
@@ -542,15 +599,15 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       if constexpr (kPlain) {
         const uint32_t v =
             *reinterpret_cast<const uint32_t*>(row + (32 + (tq ^ (h_g & 3))) * 16 + 4 * warp);
-        b0 = e4m3x2_to_act<T>(v);
-        b1 = e4m3x2_to_act<T>(v >> 16);
+        b0 = e4m3x2_to_act<M>(v);
+        b1 = e4m3x2_to_act<M>(v >> 16);
       } else {
         b0 = bf16x2_to_act<T>(
             *reinterpret_cast<const uint32_t*>(row + (32 + ((2 * warp) ^ h_g)) * 16 + 4 * tq));
         b1 = bf16x2_to_act<T>(*reinterpret_cast<const uint32_t*>(
             row + (32 + ((2 * warp + 1) ^ h_g)) * 16 + 4 * tq));
       }
-      mma_16816<T>(sp4[n], qa[8], b0, b1);
+      mma_16816<M>(sp4[n], qa[8], b0, b1);
     }
 #pragma unroll
     for (int n = 0; n < 4; ++n)
@@ -585,8 +642,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       for (int i = 0; i < 2; ++i) {
         const int pos = pos0 + 8 * n + i;
         const bool k_ok = (okp >> (8 * i)) & 0xFFu;
-        s[n][i] = k_ok && pos < count_lo ? s[n][i] * a.score_scale_log2 : kNegInf;
-        s[n][2 + i] = k_ok && pos < count_hi ? s[n][2 + i] * a.score_scale_log2 : kNegInf;
+        s[n][i] = k_ok && pos < count_lo ? s[n][i] * score_lo : kNegInf;
+        s[n][2 + i] = k_ok && pos < count_hi ? s[n][2 + i] * score_hi : kNegInf;
         mx_lo = fmaxf(mx_lo, s[n][i]);
         mx_hi = fmaxf(mx_hi, s[n][2 + i]);
       }
@@ -634,16 +691,22 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // columns 128 warp + 64 bi + 16 t + 4 s + 2 h + {0, 1}.
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const uint32_t pa[4] = {pack2<T>(s[2 * k][0], s[2 * k][1]), pack2<T>(s[2 * k][2], s[2 * k][3]),
-                              pack2<T>(s[2 * k + 1][0], s[2 * k + 1][1]),
-                              pack2<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+      auto pack_p = [](float x, float y) -> uint32_t {
+        if constexpr (kF16Mma)
+          return pack2<fp16>(round_to<bf16>(x) * 4096.0f, round_to<bf16>(y) * 4096.0f);
+        else
+          return pack2<T>(x, y);
+      };
+      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1]), pack_p(s[2 * k][2], s[2 * k][3]),
+                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1]),
+                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3])};
 #pragma unroll
       for (int bi = 0; bi < 2; ++bi)
 #pragma unroll
         for (int st = 0; st < 4; ++st)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            mma_16816<T>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(kf[bi][st][2 * k][h]),
+            mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(kf[bi][st][2 * k][h]),
                          movmatrix_trans(kf[bi][st][2 * k + 1][h]));
     }
   }
@@ -661,7 +724,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) continue;
     const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
     const bool empty = m == kNegInf || !(l > 0.0f);
-    const float inv = empty ? 0.0f : a.v_scale / l;
+    const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale / 4096.0f : a.v_scale) / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
     const int col0 = 128 * warp + 16 * tq;
@@ -719,7 +782,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // 0.73), still short of the 2-stage form's 0.89.
 // Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
 // (512 threads) is capped at 128 registers by the launch bounds.
-template <class T, int ROWS, bool kConvert, int STAGES, bool kFragments = true>
+// kPath (fp8 formats, 16-row 2-stage tiles): 0 the conversion pass, 1 the fragment path,
+// 2 the fragment path with f16 mma for plain fp8 under bf16 activations.
+template <class T, int ROWS, bool kConvert, int STAGES, int kPath = 1>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   constexpr int kWarps = ROWS / 16 * 4;
@@ -771,18 +836,21 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
       a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
     return;
   }
-  if constexpr (kConvert && kFragments && fp8_fragment_path(ROWS, 1, STAGES)) {
+  if constexpr (kConvert && kPath != 0 && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path.
+    constexpr bool kF16 = kPath == 2 && std::is_same_v<T, bf16>;
     if (a.format == CacheFormat::fp8)
-      decode_fp8_tiles<T, true>(a, smem, r, split, row0, nrows, key0, key1, ntiles, key_count);
+      decode_fp8_tiles<T, true, kF16>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
+                                      key_count);
     else
-      decode_fp8_tiles<T, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles, key_count);
+      decode_fp8_tiles<T, false, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
+                                        key_count);
     return;
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES, kFragments);
+  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES, kPath != 0);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;
@@ -1340,28 +1408,32 @@ WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len,
   return w;
 }
 
-// KMLA_FP8_DECODE=general: the fp8 formats' 16-row tiles take the general conversion path
-// instead of the fragment path (read once; for A/B measurements).
-bool fp8_general_path_requested() {
-  static const bool general = [] {
+// KMLA_FP8_DECODE (read once, for A/B measurements of the fp8 formats' 16-row tiles):
+// "general" the conversion pass, "f16mma" the fragment path with f16 mma for plain fp8
+// under bf16 activations; anything else the fragment path.
+int fp8_path_from_env() {
+  static const int path = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
-    return e != nullptr && std::string_view(e) == "general";
+    const std::string_view v = e ? e : "";
+    return v == "general" ? 0 : v == "f16mma" ? 2 : 1;
   }();
-  return general;
+  return path;
 }
 
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
-    if (fp8_general_path_requested()) {
-      auto general = decode_splitkv_kernel<T, ROWS, true, STAGES, false>;
-      const int bytes = smem_plan(ROWS, args.entry_bytes, STAGES, false).total;
+    auto launch_variant = [&](auto variant, bool fragments) {
+      const int bytes = smem_plan(ROWS, args.entry_bytes, STAGES, fragments).total;
       KMLA_CUDA_CHECK(
-          cudaFuncSetAttribute(general, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      general<<<grid, ROWS / 16 * 128, bytes, stream>>>(args);
+          cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      variant<<<grid, ROWS / 16 * 128, bytes, stream>>>(args);
       KMLA_LAUNCH_CHECK();
-      return;
-    }
+    };
+    const int path = fp8_path_from_env();
+    if (path == 0) return launch_variant(decode_splitkv_kernel<T, ROWS, true, STAGES, 0>, false);
+    if constexpr (std::is_same_v<T, bf16>)
+      if (path == 2) return launch_variant(decode_splitkv_kernel<T, ROWS, true, STAGES, 2>, true);
   }
   auto kernel = decode_splitkv_kernel<T, ROWS, kConvert, STAGES>;
   // A host-side attribute (no sync, allowed during graph capture), set on every launch so
