@@ -94,13 +94,10 @@ struct SmemPlan {
       total = 0;
 };
 
-// fragments = false: the general conversion path even where the fragment path applies
-// (KMLA_FP8_DECODE=general, for comparisons).
-__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, int stages,
-                                                 bool fragments = true) {
+__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, int stages) {
   SmemPlan s;
   int off = 0;
-  if (fragments && fp8_fragment_path(rows, raw_entry_bytes, stages)) {
+  if (fp8_fragment_path(rows, raw_entry_bytes, stages)) {
     // Raw stages, their key flags and the partial S tiles; Q lives in registers and there
     // is no converted tile and no P tile (see decode_fp8_tiles).
     s.raw = off;
@@ -782,9 +779,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // 0.73), still short of the 2-stage form's 0.89.
 // Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
 // (512 threads) is capped at 128 registers by the launch bounds.
-// kPath (fp8 formats, 16-row 2-stage tiles): 0 the conversion pass, 1 the fragment path,
-// 2 the fragment path with f16 mma for plain fp8 under bf16 activations.
-template <class T, int ROWS, bool kConvert, int STAGES, int kPath = 1>
+// kF16Mma (KMLA_FP8_DECODE=f16mma): the fp8 fragment path runs plain fp8 under bf16
+// activations on f16 mma (see decode_fp8_tiles).
+template <class T, int ROWS, bool kConvert, int STAGES, bool kF16Mma = false>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   constexpr int kWarps = ROWS / 16 * 4;
@@ -836,12 +833,14 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
       a.ws_lse[(int64_t(r) * a.max_rows + row) * a.num_splits + split] = kNegInf;
     return;
   }
-  if constexpr (kConvert && kPath != 0 && fp8_fragment_path(ROWS, 1, STAGES)) {
+  if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path.
-    constexpr bool kF16 = kPath == 2 && std::is_same_v<T, bf16>;
-    if (a.format == CacheFormat::fp8)
-      decode_fp8_tiles<T, true, kF16>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
+    if constexpr (kF16Mma && std::is_same_v<T, bf16>)  // launched for plain fp8 only
+      decode_fp8_tiles<T, true, true>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
                                       key_count);
+    else if (a.format == CacheFormat::fp8)
+      decode_fp8_tiles<T, true, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
+                                       key_count);
     else
       decode_fp8_tiles<T, false, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
                                         key_count);
@@ -850,7 +849,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES, kPath != 0);
+  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;
@@ -1408,32 +1407,27 @@ WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len,
   return w;
 }
 
-// KMLA_FP8_DECODE (read once, for A/B measurements of the fp8 formats' 16-row tiles):
-// "general" the conversion pass, "f16mma" the fragment path with f16 mma for plain fp8
-// under bf16 activations; anything else the fragment path.
-int fp8_path_from_env() {
-  static const int path = [] {
+// KMLA_FP8_DECODE=f16mma (read once; off by default, not measured yet): plain fp8 under
+// bf16 activations takes the fragment path on f16 mma (decode_fp8_tiles, kF16Mma).
+bool fp8_f16mma_requested() {
+  static const bool on = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
-    const std::string_view v = e ? e : "";
-    return v == "general" ? 0 : v == "f16mma" ? 2 : 1;
+    return e != nullptr && std::string_view(e) == "f16mma";
   }();
-  return path;
+  return on;
 }
 
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
-  if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
-    auto launch_variant = [&](auto variant, bool fragments) {
-      const int bytes = smem_plan(ROWS, args.entry_bytes, STAGES, fragments).total;
+  if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
+    if (fp8_f16mma_requested() && args.format == CacheFormat::fp8) {
+      auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, true>;
       KMLA_CUDA_CHECK(
-          cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      variant<<<grid, ROWS / 16 * 128, bytes, stream>>>(args);
+          cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      variant<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
       KMLA_LAUNCH_CHECK();
-    };
-    const int path = fp8_path_from_env();
-    if (path == 0) return launch_variant(decode_splitkv_kernel<T, ROWS, true, STAGES, 0>, false);
-    if constexpr (std::is_same_v<T, bf16>)
-      if (path == 2) return launch_variant(decode_splitkv_kernel<T, ROWS, true, STAGES, 2>, true);
+      return;
+    }
   }
   auto kernel = decode_splitkv_kernel<T, ROWS, kConvert, STAGES>;
   // A host-side attribute (no sync, allowed during graph capture), set on every launch so
