@@ -383,11 +383,20 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // every element within 2^-28 of that maximum (bf16's 8-bit significand fits f16's 11 bits);
 // the scale comes back in the fp32 score scale. P is rounded to bf16 as in the bf16 mma and
 // stored times 2^12 (exact in f16 down to p = 2^-26), taken out with 1 / l.
-template <class T, bool kPlain, bool kF16Mma, class KeyCount>
+//
+// kPow2 (fp8_ds_mla, bf16 activations; KMLA_FP8_DECODE=f16mma too): when all 32 scales a
+// warp needs in a tile (its column group) are powers of two (the default tile rule), its
+// codes are converted without the scale and the scale is applied per key afterwards: to
+// the fp32 partial S of the 8 code k-steps (before the RoPE step) and to P before rounding
+// it for P V. Scaling by a power of two commutes with bf16 rounding and with the fp32
+// accumulation, so this is bitwise the scaled path (barring under/overflow far outside the
+// data's range); other tiles take the scaled path.
+template <class T, bool kPlain, bool kF16Mma, bool kPow2, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem, int r,
                                                  int split, int row0, int nrows, int key0,
                                                  int key1, int ntiles, KeyCount key_count) {
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
+  static_assert(!kPow2 || (!kPlain && std::is_same_v<T, bf16>));
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
@@ -561,6 +570,17 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       ks_scale[n] = kPlain ? 1.0f
                            : *reinterpret_cast<const float*>(row + (40 + (g >> 1)) * 16 + 4 * warp);
     }
+    // kPow2: this warp's 32 scales all positive normal powers of two (warp-uniform)
+    bool unscaled = false;
+    if constexpr (kPow2) {
+      bool p2 = true;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const uint32_t b = __float_as_uint(ks_scale[n]);
+        p2 = p2 && (b & 0x807FFFFFu) == 0u && b != 0u && (b >> 23) != 0xFFu;
+      }
+      unscaled = __all_sync(0xffffffffu, p2);
+    }
     // kf[bi][s][n]: B fragments (b0, b1) of k-step s of code block 2 warp + bi, n-tile n;
     // converted once, used by S here and, transposed, by P V below.
     uint32_t kf[2][4][4][2];
@@ -576,7 +596,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         const uint32_t ws[4] = {w[n].x, w[n].y, w[n].z, w[n].w};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          if constexpr (kPlain) {
+          if (kPlain || unscaled) {
             kf[bi][s][n][0] = e4m3x2_to_act<M>(ws[s]);
             kf[bi][s][n][1] = e4m3x2_to_act<M>(ws[s] >> 16);
           } else {
@@ -585,6 +605,23 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
           }
           mma_16816<M>(sp4[n], qa[4 * bi + s], kf[bi][s][n][0], kf[bi][s][n][1]);
         }
+      }
+    }
+    // kPow2: the scales of the keys of my accumulators (8 n + 2 t + i, group `warp`), for
+    // the partial S here and for P below
+    float acc_scale[4][2];
+    if constexpr (kPow2) {
+      if (unscaled) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int key = 8 * n + 2 * tq + i;  // scale chunk at 40 + ((key >> 1) & 3)
+            acc_scale[n][i] = *reinterpret_cast<const float*>(tile + key * kStride +
+                                                              (40 + tq) * 16 + 4 * warp);
+            sp4[n][i] *= acc_scale[n][i];
+            sp4[n][2 + i] *= acc_scale[n][i];
+          }
       }
     }
     // k-step 8: plain, step `warp` of the last code block (word `warp` of chunk 32 + t);
@@ -688,15 +725,19 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // columns 128 warp + 64 bi + 16 t + 4 s + 2 h + {0, 1}.
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      auto pack_p = [](float x, float y) -> uint32_t {
-        if constexpr (kF16Mma)
+      auto pack_p = [&](float x, float y, int n) -> uint32_t {
+        if constexpr (kF16Mma) {
           return pack2<fp16>(round_to<bf16>(x) * 4096.0f, round_to<bf16>(y) * 4096.0f);
-        else
+        } else if constexpr (kPow2) {
+          return unscaled ? pack2<T>(x * acc_scale[n][0], y * acc_scale[n][1]) : pack2<T>(x, y);
+        } else {
           return pack2<T>(x, y);
+        }
       };
-      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1]), pack_p(s[2 * k][2], s[2 * k][3]),
-                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1]),
-                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3])};
+      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1], 2 * k),
+                              pack_p(s[2 * k][2], s[2 * k][3], 2 * k),
+                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1], 2 * k + 1),
+                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3], 2 * k + 1)};
 #pragma unroll
       for (int bi = 0; bi < 2; ++bi)
 #pragma unroll
@@ -779,8 +820,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // 0.73), still short of the 2-stage form's 0.89.
 // Registers: 64 accumulators + 8 scores + 12 fragment registers + addressing; rows 64
 // (512 threads) is capped at 128 registers by the launch bounds.
-// kF16Mma (KMLA_FP8_DECODE=f16mma): the fp8 fragment path runs plain fp8 under bf16
-// activations on f16 mma (see decode_fp8_tiles).
+// kF16Mma (KMLA_FP8_DECODE=f16mma, bf16 activations): the fp8 fragment path runs plain
+// fp8 on f16 mma and fp8_ds_mla with power-of-two scales applied after the mma (see
+// decode_fp8_tiles: kF16Mma, kPow2).
 template <class T, int ROWS, bool kConvert, int STAGES, bool kF16Mma = false>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
@@ -835,14 +877,12 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path.
-    if constexpr (kF16Mma && std::is_same_v<T, bf16>)  // launched for plain fp8 only
-      decode_fp8_tiles<T, true, true>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
-                                      key_count);
-    else if (a.format == CacheFormat::fp8)
-      decode_fp8_tiles<T, true, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
-                                       key_count);
+    constexpr bool kFast = kF16Mma && std::is_same_v<T, bf16>;
+    if (a.format == CacheFormat::fp8)
+      decode_fp8_tiles<T, true, kFast, false>(a, smem, r, split, row0, nrows, key0, key1,
+                                              ntiles, key_count);
     else
-      decode_fp8_tiles<T, false, false>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
+      decode_fp8_tiles<T, false, false, kFast>(a, smem, r, split, row0, nrows, key0, key1, ntiles,
                                         key_count);
     return;
   }
@@ -1407,8 +1447,9 @@ WorkspaceLayout workspace_layout(int num_requests, int heads, int max_query_len,
   return w;
 }
 
-// KMLA_FP8_DECODE=f16mma (read once; off by default, not measured yet): plain fp8 under
-// bf16 activations takes the fragment path on f16 mma (decode_fp8_tiles, kF16Mma).
+// KMLA_FP8_DECODE=f16mma (read once; off by default, not measured yet): under bf16
+// activations plain fp8 takes the fragment path on f16 mma and fp8_ds_mla applies
+// power-of-two scales after the mma (decode_fp8_tiles, kF16Mma and kPow2).
 bool fp8_f16mma_requested() {
   static const bool on = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
@@ -1420,7 +1461,7 @@ bool fp8_f16mma_requested() {
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
-    if (fp8_f16mma_requested() && args.format == CacheFormat::fp8) {
+    if (fp8_f16mma_requested()) {
       auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, true>;
       KMLA_CUDA_CHECK(
           cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
