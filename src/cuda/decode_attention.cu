@@ -496,7 +496,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t v = qa[i][j] & 0x7FFF7FFFu;
-          mx[j & 1] = fmaxf(mx[j & 1], fmaxf(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u)));
+          mx[j & 1] =
+              fmaxf(mx[j & 1], fmaxf(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u)));
         }
 #pragma unroll
       for (int o = 1; o <= 2; o <<= 1) {
