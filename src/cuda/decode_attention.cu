@@ -809,7 +809,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 //              end;
 //   O += P V:  output columns [128c, 128c + 128) for its 16 rows: 16 n-tiles x 4 fp32 =
 //              64 accumulator registers per thread.
-// Pipeline per 32-key tile t (STAGES stages; fp8 formats stage raw bytes and convert):
+// Pipeline per 32-key tile t (STAGES stages; fp8 formats stage raw bytes and convert; their
+// 16-row 2-stage tiles take decode_fp8_tiles above instead):
 //   sync; issue cp.async of tile t + STAGES - 1 (block id prefetched one issue earlier);
 //   wait tile t; sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale,
 //   P -> smem; sync; PV.
