@@ -57,6 +57,9 @@ struct DecodeCase {
   // Request slot whose last used block id is replaced by an id outside the cache (-1: none).
   int bad_block_request = -1;
   bool batch_invariant = false;  // plan in batch-invariant mode
+  // > 0: cache row element k of position pos is scaled by 2^(spread * ((k / 128 + pos) % 4)),
+  // so fp8_ds_mla tile scales differ between the column groups of a row and between keys.
+  float column_spread = 0.0f;
   uint64_t seed = 1;
 };
 
@@ -135,6 +138,9 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
       // Plain fp8: values up to 2 * k_scale so the codes span a few binades.
       const float amp = c.format == CacheFormat::fp8 ? 2.0f * c.k_scale : 1.0f;
       for (float& x : row) x = amp * uni(rng);
+      if (c.column_spread > 0.0f)
+        for (int k = 0; k < kLatentDim; ++k)
+          row[size_t(k)] *= std::exp2(c.column_spread * float((k / 128 + pos) % 4));
       const int32_t block = tables[size_t(r) * max_blocks + pos / bs];
       cache.write_row(int64_t(block) * bs + pos % bs, row.data());
     }
@@ -1176,6 +1182,55 @@ TEST(CudaDecodeInvariant, PlanDependsOnHeadsAndLengthOnly) {
   EXPECT_EQ(plan_decode(1, 12, 1, int64_t(1) << 24, false, true).num_splits, 1024);
   EXPECT_EQ(plan_decode(2, 128, 2, 100, false, true).rows_per_cta, 64);
   EXPECT_EQ(plan_decode(2, 20, 1, 100, false, true).rows_per_cta, 32);
+}
+
+// The fp8 formats' 16-row kernel reads the raw tiles straight into mma fragments (swizzled
+// raw rows, a permuted depth order, the scales of two keys paired in one P V fragment):
+// every block size, odd head counts, lengths around the 32-key tile and the 4-tile ring,
+// several causal query tokens, 1 / several splits, and magnitudes that change per key and
+// per 128-column group, so a fp8_ds_mla scale taken from the wrong key or group shows.
+TEST(CudaDecode, Fp8FragmentPathShapes) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 200;
+  for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+    for (int bs : {16, 64, 256}) {
+      for (int heads : {1, 3, 12, 16}) {
+        DecodeCase c;
+        c.format = format;
+        c.act = (heads + bs / 16) % 2 ? DType::f16 : DType::bf16;
+        c.q_fp8 = format == CacheFormat::fp8 && heads < 12;
+        c.q_scale = 0.5f;
+        c.k_scale = 0.75f;  // plain fp8 only
+        c.column_spread = 1.0f;
+        c.heads = heads;
+        c.block_size = bs;
+        const int q = std::max(1, std::min(4, 16 / heads));  // q x heads <= 16: 16-row tiles
+        c.seq_lens = {31, 32, 33, 0, 97, 128, 129, 1000};
+        c.query_lens = {1, q, 1, 0, q, 1, q, q};
+        c.seed = seed++;
+        SCOPED_TRACE(::testing::Message() << cache_format_name(format) << ", block size " << bs
+                                          << ", heads " << heads << ", act "
+                                          << dtype_name(c.act));
+        run_case(c, {{0, 0}, {1, 16}, {3, 16}, {7, 16}});
+      }
+    }
+  }
+}
+
+// A block id outside the cache on the fragment path: flagged, its keys invisible.
+TEST(CudaDecode, Fp8FragmentPathBadBlock) {
+  KMLA_REQUIRE_GPU();
+  for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+    DecodeCase c;
+    c.format = format;
+    c.heads = 12;
+    c.block_size = 16;
+    c.seq_lens = {100, 40, 0, 16};
+    c.query_lens = {1, 1, 0, 1};
+    c.bad_block_request = 0;  // keys [96, 100) become invisible
+    c.seed = 300 + int(format);
+    run_case(c, {{0, 16}, {2, 16}});
+  }
 }
 
 }  // namespace
