@@ -44,7 +44,8 @@ enum class DecodeSchedule {
 // captured with one plan replays correctly with other lengths of the same shape.
 struct DecodePlan {
   // plan_decode picks balanced unless batch invariant (which keeps per_request: a request's
-  // splits must not depend on its batchmates) or above kDecodeBalancedMaxRequests requests.
+  // splits must not depend on its batchmates), for one request, or above
+  // kDecodeBalancedMaxRequests requests.
   DecodeSchedule schedule = DecodeSchedule::per_request;
   // balanced: CTAs of the split kernel (1..1024): the CTA slots of the GPU, one wave. The
   // share sizes come from the lengths on the device; the three sched_* costs in keys tune
@@ -55,7 +56,7 @@ struct DecodePlan {
   int sched_min_keys = 256;
   int sched_nosplit_keys = 512;
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
-  // launch overlaps the split kernel's tail.
+  // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
   bool programmatic_combine = false;
   int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape

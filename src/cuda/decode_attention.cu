@@ -350,27 +350,20 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 }
 
 // One piece of 16 rows over keys [work.key0, work.key1) (ntiles tiles) of request work.r.
-// kF16Mma (plain fp8, bf16 activations; KMLA_FP8_DECODE=f16mma): both mma run on f16
+// kF16Mma (plain fp8, bf16 activations; the default there, KMLA_FP8_DECODE=bf16mma turns it
+// off): both mma run on f16
 // operands, so a pair of codes costs one conversion instead of four. Q is scaled per row by
 // a power of two 2^(14 - e) (e: exponent of the row's largest |q|) into f16, exact for
 // every element within 2^-28 of that maximum (bf16's 8-bit significand fits f16's 11 bits);
 // the scale comes back in the fp32 score scale. P is rounded to bf16 as in the bf16 mma and
 // stored times 2^12 (exact in f16 down to p = 2^-26), taken out with 1 / l.
-//
-// kPow2 (fp8_ds_mla, bf16 activations; KMLA_FP8_DECODE=f16mma too): when all 32 scales a
-// warp needs in a tile (its column group) are powers of two (the default tile rule), its
-// codes are converted without the scale and the scale is applied per key afterwards: to
-// the fp32 partial S of the 8 code k-steps (before the RoPE step) and to P before rounding
-// it for P V. Scaling by a power of two commutes with bf16 rounding and with the fp32
-// accumulation, so this is bitwise the scaled path (barring under/overflow far outside the
-// data's range); other tiles take the scaled path.
-template <class T, bool kPlain, bool kF16Mma, bool kPow2, class KeyCount>
+
+template <class T, bool kPlain, bool kF16Mma, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
-  static_assert(!kPow2 || (!kPlain && std::is_same_v<T, bf16>));
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
@@ -545,17 +538,6 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       ks_scale[n] = kPlain ? 1.0f
                            : *reinterpret_cast<const float*>(row + (40 + (g >> 1)) * 16 + 4 * warp);
     }
-    // kPow2: this warp's 32 scales all positive normal powers of two (warp-uniform)
-    bool unscaled = false;
-    if constexpr (kPow2) {
-      bool p2 = true;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const uint32_t b = __float_as_uint(ks_scale[n]);
-        p2 = p2 && (b & 0x807FFFFFu) == 0u && b != 0u && (b >> 23) != 0xFFu;
-      }
-      unscaled = __all_sync(0xffffffffu, p2);
-    }
     // kf[bi][s][n]: B fragments (b0, b1) of k-step s of code block 2 warp + bi, n-tile n;
     // converted once, used by S here and, transposed, by P V below.
     uint32_t kf[2][4][4][2];
@@ -571,7 +553,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         const uint32_t ws[4] = {w[n].x, w[n].y, w[n].z, w[n].w};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          if (kPlain || unscaled) {
+          if constexpr (kPlain) {
             kf[bi][s][n][0] = e4m3x2_to_act<M>(ws[s]);
             kf[bi][s][n][1] = e4m3x2_to_act<M>(ws[s] >> 16);
           } else {
@@ -580,23 +562,6 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
           }
           mma_16816<M>(sp4[n], qa[4 * bi + s], kf[bi][s][n][0], kf[bi][s][n][1]);
         }
-      }
-    }
-    // kPow2: the scales of the keys of my accumulators (8 n + 2 t + i, group `warp`), for
-    // the partial S here and for P below
-    float acc_scale[4][2];
-    if constexpr (kPow2) {
-      if (unscaled) {
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int key = 8 * n + 2 * tq + i;  // scale chunk at 40 + ((key >> 1) & 3)
-            acc_scale[n][i] = *reinterpret_cast<const float*>(tile + key * kStride +
-                                                              (40 + tq) * 16 + 4 * warp);
-            sp4[n][i] *= acc_scale[n][i];
-            sp4[n][2 + i] *= acc_scale[n][i];
-          }
       }
     }
     // k-step 8: plain, step `warp` of the last code block (word `warp` of chunk 32 + t);
@@ -700,19 +665,16 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // columns 128 warp + 64 bi + 16 t + 4 s + 2 h + {0, 1}.
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      auto pack_p = [&](float x, float y, int n) -> uint32_t {
+      auto pack_p = [&](float x, float y) -> uint32_t {
         if constexpr (kF16Mma) {
           return pack2<fp16>(round_to<bf16>(x) * 4096.0f, round_to<bf16>(y) * 4096.0f);
-        } else if constexpr (kPow2) {
-          return unscaled ? pack2<T>(x * acc_scale[n][0], y * acc_scale[n][1]) : pack2<T>(x, y);
         } else {
           return pack2<T>(x, y);
         }
       };
-      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1], 2 * k),
-                              pack_p(s[2 * k][2], s[2 * k][3], 2 * k),
-                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1], 2 * k + 1),
-                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3], 2 * k + 1)};
+      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1]), pack_p(s[2 * k][2], s[2 * k][3]),
+                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1]),
+                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3])};
 #pragma unroll
       for (int bi = 0; bi < 2; ++bi)
 #pragma unroll
@@ -798,9 +760,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // (512 threads) is capped at 128 registers by the launch bounds.
 // The kernel runs one piece of work (decode_sched.cuh: a row tile of one request against a
 // key range) per call of splitkv_piece; a balanced-schedule CTA runs several in a row.
-// kF16Mma (KMLA_FP8_DECODE=f16mma, bf16 activations): the fp8 fragment path runs plain
-// fp8 on f16 mma and fp8_ds_mla with power-of-two scales applied after the mma (see
-// decode_fp8_tiles: kF16Mma, kPow2).
+// kF16Mma (plain fp8 cache, bf16 activations): the fp8 fragment path runs on f16 mma (see
+// decode_fp8_tiles).
 template <class T, int ROWS, bool kConvert, int STAGES, bool kF16Mma>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   constexpr int kWarps = ROWS / 16 * 4;
@@ -831,9 +792,9 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     // fp8 formats, 16 rows: the register-fragment path.
     constexpr bool kFast = kF16Mma && std::is_same_v<T, bf16>;
     if (a.format == CacheFormat::fp8)
-      decode_fp8_tiles<T, true, kFast, false>(a, smem, work, ntiles, key_count);
+      decode_fp8_tiles<T, true, kFast>(a, smem, work, ntiles, key_count);
     else
-      decode_fp8_tiles<T, false, false, kFast>(a, smem, work, ntiles, key_count);
+      decode_fp8_tiles<T, false, false>(a, smem, work, ntiles, key_count);
     return;
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1476,13 +1437,15 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-// KMLA_FP8_DECODE=f16mma (read once; off by default, not measured yet): under bf16
-// activations plain fp8 takes the fragment path on f16 mma and fp8_ds_mla applies
-// power-of-two scales after the mma (decode_fp8_tiles, kF16Mma and kPow2).
-bool fp8_f16mma_requested() {
+// Under bf16 activations the plain fp8 cache's fragment path runs on f16 mma (one
+// conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200
+// (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma
+// (read once) keeps bf16 mma for A/B timing. (The same trick for fp8_ds_mla, scales that are
+// powers of two applied after the mma, measured slower, 425 against 352 us, and was dropped.)
+bool fp8_f16mma_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
-    return e != nullptr && std::string_view(e) == "f16mma";
+    return e == nullptr || std::string_view(e) != "bf16mma";
   }();
   return on;
 }
@@ -1490,7 +1453,7 @@ bool fp8_f16mma_requested() {
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
-    if (fp8_f16mma_requested()) {
+    if (args.format == CacheFormat::fp8 && fp8_f16mma_enabled()) {
       auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, true>;
       KMLA_CUDA_CHECK(
           cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
@@ -1564,8 +1527,11 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // Balanced: one wave of workers on every CTA slot (264 on H200 for 16 / 32-row tiles,
   // 132 for 64-row ones); the device takes fewer when the batch is small (sched_min_keys).
   const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
+  // One request has nothing to balance: its equal per-request splits were faster on H200
+  // (64K keys: 50.3 against 62.4 us balanced; 1M: 343.5 against 346.3).
   const bool balanced = sched && *sched ? std::string_view(sched) == "balanced"
-                                        : num_requests <= kDecodeBalancedMaxRequests;
+                                        : num_requests > 1 &&
+                                              num_requests <= kDecodeBalancedMaxRequests;
   if (balanced && num_requests > 0) {
     plan.schedule = DecodeSchedule::balanced;
     plan.num_workers =
@@ -1576,7 +1542,10 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   }
   int major = 0;
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 1) != 0;
+  // Off by default: launched early, the combine's waiting CTAs take SM slots from the split
+  // kernel. Measured on H200: mixed lengths 327 us without against 358 with, (1, 12, 64K)
+  // 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
+  plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 0) != 0;
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }

@@ -554,8 +554,7 @@ bool sm90_allowed_by_env() {
 // makes the consumer warpgroups take turns issuing MMAs, KMLA_PREFILL_SM90_EARLY_RESCALE=0
 // rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
 // the CTA order (0: round 1's heads one after the other), KMLA_PREFILL_SM90_TMA=0 loads every
-// tile with cp.async instead of TMA, KMLA_PREFILL_SM90_Q_REGS=1 keeps Q in registers (with
-// OVERLAP=0 only).
+// tile with cp.async instead of TMA.
 // Unset: the Sm90Options defaults.
 const Sm90Options& sm90_options_from_env() {
   static const Sm90Options opt = [] {
@@ -564,7 +563,6 @@ const Sm90Options& sm90_options_from_env() {
     o.pingpong = env_switch("KMLA_PREFILL_SM90_PINGPONG", o.pingpong);
     o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
     o.tma = env_switch("KMLA_PREFILL_SM90_TMA", o.tma);
-    o.q_in_registers = env_switch("KMLA_PREFILL_SM90_Q_REGS", o.q_in_registers);
     const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
     if (env != nullptr && *env != '\0') {
       char* end = nullptr;

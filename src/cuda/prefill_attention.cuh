@@ -26,7 +26,7 @@ bool prefill_uses_sm90(const PrefillParams& p);
 // defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_SM90_OVERLAP=0|1, KMLA_PREFILL_SM90_PINGPONG=0|1,
 // KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N,
-// KMLA_PREFILL_SM90_TMA=0|1, KMLA_PREFILL_SM90_Q_REGS=0|1.
+// KMLA_PREFILL_SM90_TMA=0|1.
 struct Sm90Options {
   // The consumer schedule that runs the softmax of a tile under the previous tile's P.V;
   // false: each step waited for in order (simpler; kept for tests and A/B timing).
@@ -46,10 +46,6 @@ struct Sm90Options {
   // 128 producer threads with cp.async for everything. Measured on H200 (round 3): +23% at
   // 8k tokens x 64 heads, +18% at 8k x 16, +17% at 32k x 16.
   bool tma = true;
-  // In-order schedule only (overlap false): Q is loaded once into registers and S = Q K^T
-  // reads it from there (register-A wgmma), a sixth less shared-memory traffic per tile.
-  // Ignored with overlap (no registers left for it). Not measured yet: off.
-  bool q_in_registers = false;
 };
 
 // prefill_attention on the wgmma kernel regardless of the heuristics (same validation and
@@ -71,10 +67,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
 // o_out = round_act(s_out) v [64, 128] fp32 (register-A wgmma, MN-major V descriptor).
 // Device pointers; needs an sm_90 GPU. swap_v_strides exchanges the V descriptor's leading and
 // stride byte offsets (a diagnostic: the tests report whether that layout would match).
-// a_in_registers computes s_out as the Q-in-registers schedule does (a loaded into registers
-// with ldmatrix, register-A wgmma against K-major k).
 void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
-                        float* o_out, cudaStream_t stream, bool swap_v_strides = false,
-                        bool a_in_registers = false);
+                        float* o_out, cudaStream_t stream, bool swap_v_strides = false);
 
 }  // namespace kmla::cuda

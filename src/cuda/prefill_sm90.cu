@@ -276,61 +276,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
     KMLA_WGMMA_RS("f16");
 #undef KMLA_WGMMA_RS
 }
-// d (64 x 128, fp32) = [d +] A (64 x 16, registers) * B (16 x 128, smem, K-major: 128 rows of
-// k), for S = Q K^T with Q held in registers. kFirst: d is write-only (scale-d 0), so the
-// compiler need not keep the previous tile's S alive up to the first MMA of the next.
-template <class T, bool kFirst>
-__device__ __forceinline__ void wgmma_rs_k_major(float (&d)[64], const uint32_t (&a)[4],
-                                                 uint64_t desc_b) {
-#define KMLA_WGMMA_RSK(TY, ACC, SCALE_D)                                     \
-  asm volatile(                                                              \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                         \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KMLA_D64 \
-      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                        \
-      : ACC                                                                  \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(SCALE_D))
-  if constexpr (kFirst) {
-    if constexpr (std::is_same_v<T, bf16>)
-      KMLA_WGMMA_RSK("bf16", KMLA_OUT64, 0);
-    else
-      KMLA_WGMMA_RSK("f16", KMLA_OUT64, 0);
-  } else {
-    if constexpr (std::is_same_v<T, bf16>)
-      KMLA_WGMMA_RSK("bf16", KMLA_ACC64, 1);
-    else
-      KMLA_WGMMA_RSK("f16", KMLA_ACC64, 1);
-  }
-#undef KMLA_WGMMA_RSK
-}
 #undef KMLA_D64
 #undef KMLA_OUT64
 #undef KMLA_ACC64
 #undef KMLA_OUT8
 #undef KMLA_ACC8
-
-// Four 8x8 16-bit matrices from shared memory, one row address per lane (lanes 8i..8i+7 give
-// matrix i's rows); register i of every lane gets its pair of matrix i (the mma.sync layout).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// The register A operand of the 12 S k-steps (dims 0..191) for one warp's 16 rows starting at
-// row `row0` of three swizzled 64-dim panels `panel_bytes` apart. k-step kk reads dims
-// 16kk..16kk+15 = chunks 2(kk % 4), +1 of panel kk / 4; lanes 0-7 address rows 0-7 at the
-// first chunk, 8-15 rows 8-15, 16-31 the same rows at the second chunk, which gives the
-// m16n8k16 A fragment order a0..a3.
-__device__ __forceinline__ void load_a_fragments(uint32_t (&qa)[12][4], uint32_t panels,
-                                                 uint32_t panel_bytes, int row0, int lane) {
-  const int row = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-  for (int kk = 0; kk < 12; ++kk) {
-    const int chunk = 2 * (kk % 4) + (lane >> 4);
-    ldmatrix_x4(qa[kk], panels + (kk / 4) * panel_bytes + row * kPanelRowBytes +
-                            ((chunk ^ (row & 7)) << 4));
-  }
-}
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -423,8 +373,7 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 //
 // kSchedule: 0 in order, 1 overlapped, 2 overlapped with the early rescale of O (a template
 // parameter, not a runtime flag: with a runtime branch between the S and P.V issues, ptxas
-// inserts an extra warpgroup fence (C7519) before the P.V), 3 in order with Q in registers
-// (S by register-A wgmma: 48 KiB less shared-memory reading per tile and CTA).
+// inserts an extra warpgroup fence (C7519) before the P.V).
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
@@ -432,8 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
-  constexpr bool kQInRegs = kSchedule == 3;  // in order, S = Q K^T with Q from registers
-  static_assert(kSchedule >= 0 && kSchedule <= 3);
+  static_assert(kSchedule >= 0 && kSchedule <= 2);
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
   __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
   extern __shared__ uint8_t smem_raw[];
@@ -650,11 +598,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sc[64];                               // S, then P in fp32
   uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
   float correction[2];
-  // kQInRegs: this warp's 16 query rows x 192 dims as the register A operand of the 12 S
-  // k-steps (48 registers, loaded once). Affordable only in order: O 64 + S 64 (dead once P
-  // is packed from it) + P 32 + Q 48 stays near 200; the overlapped schedule keeps S and P
-  // alive together and would need ~250.
-  uint32_t qa[kQInRegs ? 12 : 1][4];
 
   // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
   auto issue_s = [&](int j) {
@@ -662,14 +605,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 12; ++kk) {
       const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
-      if constexpr (kQInRegs) {
-        if (kk == 0)
-          wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + off));
-        else
-          wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + off));
-      } else {
-        wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
-      }
+      wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
     }
     wgmma_commit();
   };
@@ -777,9 +713,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
 
   if (wg_tiles > 0) mbar_wait(&q_full, 0);
-  if constexpr (kQInRegs) {
-    if (wg_tiles > 0) load_a_fragments(qa, q_smem, kQPanelBytes, 64 * cw + 16 * warp, lane);
-  }
   if constexpr (!kOverlap) {
     // Tile by tile: S, softmax, P.V, each waited for before the next.
     for (int j = 0; j < wg_tiles; ++j) {
@@ -904,12 +837,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // [64, 128] through the accumulator layout; then P = S rounded to T as the register operand,
 // O = P v by 8 wgmma_rs with the MN-major descriptor, written to o_out [64, 128].
 // swap_v_strides exchanges the V descriptor's two byte offsets: a diagnostic for the tests.
-// a_in_registers computes S as the Q-in-registers schedule does: a loaded by load_a_fragments,
-// 12 register-A wgmma against the same K descriptors.
 template <class T>
 __global__ void __launch_bounds__(128)
     prefill_sm90_probe_kernel(const T* a, const T* k, const T* v, float* s_out, float* o_out,
-                              bool swap_v_strides, bool a_in_registers) {
+                              bool swap_v_strides) {
 #if KMLA_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -927,33 +858,19 @@ __global__ void __launch_bounds__(128)
   fence_proxy_async();
   __syncthreads();
 
-  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   float sc[64];
-  if (a_in_registers) {
-    uint32_t qa[12][4];
-    load_a_fragments(qa, a_smem, 64 * kPanelRowBytes, 16 * warp, lane);
-    wgmma_fence();
+  wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kQkDim / 16; ++kk) {
-      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
-      if (kk == 0)
-        wgmma_rs_k_major<T, true>(sc, qa[0], desc_k_major(k_smem + k_off));
-      else
-        wgmma_rs_k_major<T, false>(sc, qa[kk], desc_k_major(k_smem + k_off));
-    }
-  } else {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kQkDim / 16; ++kk) {
-      const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
-      const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
-      wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
-    }
+  for (int kk = 0; kk < kQkDim / 16; ++kk) {
+    const uint32_t a_off = (kk / 4) * 64 * kPanelRowBytes + (kk % 4) * 32;
+    const uint32_t k_off = (kk / 4) * kKPanelBytes + (kk % 4) * 32;
+    wgmma_ss<T>(sc, desc_k_major(a_smem + a_off), desc_k_major(k_smem + k_off), kk > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(sc);
 
+  const int warp = tid / 32, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int r = 16 * warp + g;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -985,7 +902,7 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < 4; ++e)
       o_out[(r + 8 * (e >> 1)) * kVDim + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides, (void)a_in_registers;
+  (void)a, (void)k, (void)v, (void)s_out, (void)o_out, (void)swap_v_strides;
 #endif
 }
 
@@ -1099,8 +1016,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
     encode_operand_map(&maps.v, p.v, kVDim, p.heads, p.act, "v");
   }
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = !opt.overlap        ? (opt.q_in_registers ? prefill_attention_sm90_kernel<T, 3>
-                                                             : prefill_attention_sm90_kernel<T, 0>)
+    auto* kernel = !opt.overlap        ? prefill_attention_sm90_kernel<T, 0>
                    : opt.early_rescale ? prefill_attention_sm90_kernel<T, 2>
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
@@ -1114,8 +1030,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
 }
 
 void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, float* s_out,
-                        float* o_out, cudaStream_t stream, bool swap_v_strides,
-                        bool a_in_registers) {
+                        float* o_out, cudaStream_t stream, bool swap_v_strides) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16,
              "prefill_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
   constexpr int kProbeSmem = 3 * 64 * kPanelRowBytes + kKBytes + kVBytes + 1024;
@@ -1124,8 +1039,7 @@ void prefill_sm90_probe(DType act, const void* a, const void* k, const void* v, 
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
     kernel<<<1, 128, kProbeSmem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(k),
-                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides,
-                                           a_in_registers);
+                                           static_cast<const T*>(v), s_out, o_out, swap_v_strides);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -72,6 +72,7 @@ struct PlanTweak {
   int min_keys = -1;  // balanced: DecodePlan::sched_min_keys
   int nosplit_keys = -1;
   int pair_keys = -1;
+  bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -264,7 +265,7 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   for (const PlanTweak& tweak : tweaks) {
     DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant);
     if (!c.batch_invariant && !schedule_forced())  // what plan_decode picks here
-      EXPECT_EQ(plan.schedule, DecodeSchedule::balanced);
+      EXPECT_EQ(plan.schedule, R > 1 ? DecodeSchedule::balanced : DecodeSchedule::per_request);
     if (tweak.num_splits) {
       plan.schedule = DecodeSchedule::per_request;
       plan.num_splits = tweak.num_splits;
@@ -277,6 +278,7 @@ void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     if (tweak.nosplit_keys >= 0) plan.sched_nosplit_keys = tweak.nosplit_keys;
     if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
+    if (tweak.pdl) plan.programmatic_combine = true;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
@@ -565,13 +567,14 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
   EXPECT_THROW(plan_decode(4, 0, 1, 100, false), Error);
   EXPECT_THROW(plan_decode(4, 16, 129, 100, false), Error);
   // The balanced schedule: one wave of workers; the per-request grid for batch-invariant
-  // plans and above kDecodeBalancedMaxRequests requests.
+  // plans, one request and above kDecodeBalancedMaxRequests requests.
   if (!schedule_forced()) {
     EXPECT_EQ(few.schedule, DecodeSchedule::balanced);
     EXPECT_GE(few.num_workers, 2);
     EXPECT_LE(few.num_workers, 1024);
     EXPECT_EQ(plan_decode(kDecodeBalancedMaxRequests + 1, 16, 1, 100, false).schedule,
               DecodeSchedule::per_request);
+    EXPECT_EQ(one_long.schedule, DecodeSchedule::per_request);  // one request: equal splits
   }
   EXPECT_EQ(plan_decode(2, 16, 1, 8192, false, true).schedule, DecodeSchedule::per_request);
 }
@@ -590,6 +593,8 @@ const std::vector<PlanTweak> kSchedTweaks = {
     {0, 0, false, 264, 32, 0, 64},   // every pair cut, 1-tile minimum share
     {0, 16, false, 100, 0, 0, 0},    // 16-row tiles: several pairs per request
     {2, 0},                          // the per-request grid, for comparison
+    {0, 0, false, 0, -1, -1, -1, true},  // the plan's choice, combine launched early (PDL)
+    {5, 0, false, 0, -1, -1, -1, true},  // per-request splits with PDL
 };
 
 // Lengths 0, 1 and around block (64) and tile (32) boundaries, padded slots between real

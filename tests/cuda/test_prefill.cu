@@ -91,13 +91,13 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
                   const std::vector<float>& ref_mag, const std::vector<float>& ref_lse,
                   int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride);
 
-// The wgmma kernel's variants that run_case runs (variant -1 .. -9), each one of both
+// The wgmma kernel's variants that run_case runs (variant -1 .. -7), each one of both
 // producers (TMA for whole boxes, the default; or cp.async throughout), so that both stay
 // covered: -1 the defaults (TMA); -2 in order with round 1's CTA order; -3 ping-pong with
 // head groups of 3 (a partial last group for most head counts); -4 ping-pong without the
 // early rescale in groups of 1 (heads-major order), cp.async; -5 round 1's kernel (no
 // ping-pong, late rescale, head after head), cp.async; -6 the defaults with cp.async; -7 in
-// order, cp.async; -8 in order with Q in registers; -9 the same with cp.async in groups of 3.
+// order, cp.async.
 cuda::Sm90Options sm90_variant(int variant) {
   cuda::Sm90Options o;  // -1: the defaults
   if (variant == -2) {
@@ -121,14 +121,6 @@ cuda::Sm90Options sm90_variant(int variant) {
   } else if (variant == -7) {
     o.overlap = false;
     o.tma = false;
-  } else if (variant == -8) {
-    o.overlap = false;
-    o.q_in_registers = true;
-  } else if (variant == -9) {
-    o.overlap = false;
-    o.q_in_registers = true;
-    o.tma = false;
-    o.head_group = 3;
   }
   return o;
 }
@@ -253,10 +245,10 @@ void run_case(const Case& c) {
   p.softmax_scale = scale;
   p.act = c.act;
   // rows_per_cta 64 / 128: the mma.sync kernel's tilings; 0: the public prefill_attention
-  // (its own choice of kernel and tiling); -1..-9: the wgmma kernel's variants (sm90_variant;
+  // (its own choice of kernel and tiling); -1..-7: the wgmma kernel's variants (sm90_variant;
   // sm_90 GPUs only).
   const bool sm90 = cuda::prefill_sm90_supported(p);
-  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7, -8, -9}) {
+  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7}) {
     if (rows_per_cta < 0 && !sm90) continue;
     const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
@@ -264,8 +256,7 @@ void run_case(const Case& c) {
                      ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) +
                            " pingpong " + std::to_string(opt.pingpong) + " early_rescale " +
                            std::to_string(opt.early_rescale) + " head_group " +
-                           std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma) +
-                           " q_in_registers " + std::to_string(opt.q_in_registers)
+                           std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma)
                      : "rows_per_cta " + std::to_string(rows_per_cta));
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);

@@ -2,10 +2,8 @@
 // wrong descriptor, swizzle or fragment layout shows up here with row/column coordinates
 // rather than as a wrong attention output: prefill_sm90_probe runs the kernel's copy path
 // into 128-byte-swizzled panels, S = A K^T by smem-descriptor wgmma (K-major A and B), and
-// O = round(S) V by register-A wgmma with the MN-major V descriptor; and S once more with A
-// loaded into registers by ldmatrix (the Q-in-registers schedule). The whole kernel, each of
-// its variants (both producers: TMA and cp.async), is tested against the CPU reference in
-// test_prefill.cu.
+// O = round(S) V by register-A wgmma with the MN-major V descriptor. The whole kernel is
+// tested against the CPU reference in test_prefill.cu.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,11 +39,8 @@ uint16_t act_code(float x, DType act) {
   return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
 }
 
-// a_in_registers: S from a held in registers (the Q-in-registers schedule's ldmatrix fragments
-// and register-A wgmma with a K-major B) instead of both operands from shared memory.
-void run_probe(DType act, int pattern, uint64_t seed, bool a_in_registers) {
-  SCOPED_TRACE(std::string(dtype_name(act)) + " pattern " + std::to_string(pattern) +
-               (a_in_registers ? " a in registers" : " a in shared memory"));
+void run_probe(DType act, int pattern, uint64_t seed) {
+  SCOPED_TRACE(std::string(dtype_name(act)) + " pattern " + std::to_string(pattern));
   constexpr int kM = 64, kN = 128, kK = 192, kV = 128;
   Random rng(seed);
   // pattern 0: Gaussian values. pattern 1: a one-hot (row i of a selects dim (5i) % 192 with
@@ -63,8 +58,7 @@ void run_probe(DType act, int pattern, uint64_t seed, bool a_in_registers) {
   DevBuf<float> d_s(kM * kN), d_o(kM * kV);
   d_s.fill_bytes(0xFF);
   d_o.fill_bytes(0xFF);
-  cuda::prefill_sm90_probe(act, d_a.ptr, d_k.ptr, d_v.ptr, d_s.ptr, d_o.ptr, nullptr, false,
-                           a_in_registers);
+  cuda::prefill_sm90_probe(act, d_a.ptr, d_k.ptr, d_v.ptr, d_s.ptr, d_o.ptr, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> s = d_s.download(), o = d_o.download();
 
@@ -90,8 +84,7 @@ void run_probe(DType act, int pattern, uint64_t seed, bool a_in_registers) {
         report(m.str());
       }
     }
-  EXPECT_EQ(bad, 0) << "S = A K^T mismatches (" << (a_in_registers ? "ldmatrix A fragments / " : "")
-                    << "smem descriptors / swizzle / accumulator layout)";
+  EXPECT_EQ(bad, 0) << "S = A K^T mismatches (smem descriptors / swizzle / accumulator layout)";
   bad = 0;
   for (int i = 0; i < kM; ++i)
     for (int d = 0; d < kV; ++d) {
@@ -118,8 +111,7 @@ void run_probe(DType act, int pattern, uint64_t seed, bool a_in_registers) {
     // Diagnostic for the one layout choice the PTX text leaves most room to misread: does the
     // V descriptor with its two byte offsets exchanged give the right O?
     d_o.fill_bytes(0xFF);
-    cuda::prefill_sm90_probe(act, d_a.ptr, d_k.ptr, d_v.ptr, d_s.ptr, d_o.ptr, nullptr, true,
-                             a_in_registers);
+    cuda::prefill_sm90_probe(act, d_a.ptr, d_k.ptr, d_v.ptr, d_s.ptr, d_o.ptr, nullptr, true);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> o2 = d_o.download();
     double worst = 0;
@@ -142,9 +134,8 @@ TEST(CudaPrefillSm90, WgmmaBuildingBlocks) {
   KMLA_REQUIRE_GPU();
   if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
   uint64_t seed = 300;
-  for (bool a_in_registers : {false, true})
-    for (DType act : {DType::bf16, DType::f16})
-      for (int pattern : {1, 0}) run_probe(act, pattern, ++seed, a_in_registers);
+  for (DType act : {DType::bf16, DType::f16})
+    for (int pattern : {1, 0}) run_probe(act, pattern, ++seed);
 }
 
 // prefill_attention_sm90 refuses other GPUs instead of launching a kernel without a body.
