@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kmla/cache.hpp"
 #include "kmla/error.hpp"
@@ -54,6 +55,26 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return _
 template <> __device__ __forceinline__ fp16 from_float<fp16>(float x) { return __float2half_rn(x); }
 // x rounded to T and read back (the semantics' "round to act").
 template <class T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+// Two fp32 values rounded to T (nearest even) and packed, lo in the low half (the lower
+// column index): one mma operand register.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return r;
+}
+// 2^x by ex2.approx (relative error ~2^-22; 2^-inf = 0): the softmax exponentials.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // e4m3 code -> fp32, exact.
 __device__ __forceinline__ float e4m3_value(uint8_t c) {

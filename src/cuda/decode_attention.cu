@@ -172,20 +172,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two floats rounded to T, packed (first in the low half).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float x, float y) {
-  const T lo = from_float<T>(x), hi = from_float<T>(y);
-  return uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
-         (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
-}
-
 // 4 e4m3 codes -> 4 T (the conversion pass's form: one hardware cvt per pair on sm_89+,
 // then for bf16 two f16 -> f32 and one packing f32x2 -> bf16x2 cvt; all exact).
 template <class T>

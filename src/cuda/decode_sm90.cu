@@ -86,19 +86,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {  // 2^x; 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T a = from_float<T>(lo), b = from_float<T>(hi);
-  return uint32_t(reinterpret_cast<const uint16_t&>(a)) |
-         (uint32_t(reinterpret_cast<const uint16_t&>(b)) << 16);
-}
-
 // S half of warpgroup wg: s (64 rows x keys [32 wg, 32 wg + 32) of the tile at kt) = Q K^T,
 // 36 k-steps of 16 over the 9 panels; both operands K-major. Issued and committed, not
 // waited for. The B start moves by 32 keys x 128 B = 4096 B (4 swizzle atoms).

@@ -120,26 +120,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-// Two fp32 values rounded to T and packed, lo in the low half (the lower column index).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, bf16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return r;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error ~2^-22, 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Copies a tile of kTileRows rows x kChunks 16-byte chunks from global memory (row r at
 // src + r * row_stride) to chunks [chunk0, chunk0 + kChunks) of the swizzled smem rows at dst
 // (row_bytes apart). Rows >= valid_rows (>= 1) are zero-filled without reading memory; their

@@ -22,13 +22,10 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/sm90.cuh"
 
 // The device code below needs wgmma and setmaxnreg, which exist only in the sm_90a target.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KMLA_SM90_DEVICE 1
-#else
-#define KMLA_SM90_DEVICE 0
-#endif
+#define KMLA_SM90_DEVICE KMLA_SM90A
 
 namespace kmla::cuda {
 namespace {
@@ -88,9 +85,20 @@ struct Sm90Maps {
 // ---- PTX wrappers (sm_90a) -----------------------------------------------------------
 #if KMLA_SM90_DEVICE
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The mbarrier, TMA, descriptor and wgmma-group primitives shared with the decode kernel.
+using sm90::desc_k_major;
+using sm90::fence_proxy_async;
+using sm90::fence_regs;
+using sm90::make_desc;
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
+using sm90::smem_u32;
+using sm90::tma_load_3d;
+using sm90::wgmma_commit;
+using sm90::wgmma_fence;
+using sm90::wgmma_wait;
 
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -101,82 +109,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Orders this thread's completed generic-proxy writes (cp.async) before later async-proxy
-// reads (wgmma) that other threads issue after synchronising with it.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile(
-      "{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
-      : "memory");
-}
-// Blocks until the phase of `bar` with parity `parity` has completed. Every wait in this
-// kernel is for a tile load or for the other warpgroups' MMAs on one tile (microseconds). A
-// wait still pending after 2^26 polls (seconds: each try_wait returns after at most a short,
-// hardware-chosen suspension) is a broken pipeline; trapping turns what would be a hung GPU
-// into a failed launch that a test or the caller can see. It costs one register and an add
-// per poll (a timer-based check cost the overlapped consumers their register budget).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      " .reg .pred done, stuck;\n"
-      " .reg .u32 polls;\n"
-      " mov.u32 polls, 0;\n"
-      "wait_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @done bra end_%=;\n"
-      " add.u32 polls, polls, 1;\n"
-      " setp.gt.u32 stuck, polls, 67108864;\n"
-      " @stuck trap;\n"
-      " bra wait_%=;\n"
-      "end_%=:\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// One arrival that also tells the barrier to expect `bytes` more of asynchronous (TMA)
-// writes: the phase completes once every arrival is in and all those bytes have landed.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile(
-      "{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-          smem_addr(bar)),
-      "r"(bytes)
-      : "memory");
-}
-// TMA: one box of `map` at coordinates (c0 = column, c1 = head, c2 = row) into shared memory
-// at `dst` (1024-byte aligned; the map's 128-byte swizzle writes the panel layout used
-// everywhere here), counted as complete_tx bytes on `bar`.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
-      : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
-// bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
-// 62-63 swizzle mode (1 = 128 bytes); base offset 0 since every panel is 1024-byte aligned.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-// K-major panel (rows of 64 elements along the reduction dim): 8-row groups 1024 bytes apart
-// (stride byte offset); the leading byte offset is unused by swizzled K-major layouts. A k-step
-// of 16 elements inside the panel moves the start address by 32 bytes.
-__device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) {
-  return make_desc(addr, 16, 1024);
-}
 // MN-major V (rows = keys, the reduction dim; 64 dims per panel row): the leading byte offset
 // is the distance between the two 64-dim panels, the stride byte offset between 8-key groups.
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t addr) {
@@ -202,24 +138,6 @@ __device__ __forceinline__ void named_bar_arrive() {
 template <int kId, int kThreadCount>
 __device__ __forceinline__ void producer_bar_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most N committed wgmma groups of this warpgroup are still pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
-// MMA's issue and wait (both volatile asm, which are not reordered among themselves).
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 #define KMLA_ACC8(i)                                                                          \
@@ -281,25 +199,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef KMLA_ACC64
 #undef KMLA_OUT8
 #undef KMLA_ACC8
-
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, bf16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return r;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: rel. error ~2^-22, 2^-inf = 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Copies 64 columns (8 chunks of 16 bytes) of kRows rows into one swizzled panel with
 // kCopyThreads threads: thread i takes chunk i % 8 of rows i / 8 + (kCopyThreads / 8) k, so 8
@@ -385,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
   __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t smem_base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
@@ -843,7 +742,7 @@ __global__ void __launch_bounds__(128)
                               bool swap_v_strides) {
 #if KMLA_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t a_smem = base, k_smem = base + 3 * 64 * kPanelRowBytes;
   const uint32_t v_smem = k_smem + kKBytes;
   const int tid = threadIdx.x;
