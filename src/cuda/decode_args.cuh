@@ -56,4 +56,23 @@ struct DecodeArgs {
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
 };
 
+#ifdef __CUDACC__
+// The cache address of key `pos` of a request, whose block id (read from the block table one
+// tile ahead) is `block`; `ok` is false for keys at or past key1 and for block ids outside the
+// cache, which are never read (the kernels mask the key and zero its row) and, with `report`,
+// raise kErrBadBlockId. Shared by the decode kernels' key loaders.
+__device__ __forceinline__ const std::byte* decode_key_src(const DecodeArgs& a, int pos, int key1,
+                                                         int block, int entry_bytes, bool report,
+                                                         bool& ok) {
+  ok = pos < key1;
+  if (!ok) return a.cache_base;
+  if (block < 0 || int64_t(block) >= a.num_blocks) {
+    ok = false;
+    if (report) raise_error(a.error_flag, kErrBadBlockId);
+    return a.cache_base;
+  }
+  return a.cache_base + int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * entry_bytes;
+}
+#endif
+
 }  // namespace kmla::cuda

@@ -374,16 +374,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
   auto issue = [&](int tile, int block) {
     const int stage = tile % S;
     const int pos = key0 + tile * kKeyTile + my_key;
-    bool ok = pos < key1;
-    const std::byte* src = a.cache_base;
-    if (ok) {
-      if (block < 0 || int64_t(block) >= a.num_blocks) {
-        ok = false;  // never read outside the cache; the key is masked and its row zeroed
-        if (my_part == 0) raise_error(a.error_flag, kErrBadBlockId);
-      } else {
-        src += int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * kEntry;
-      }
-    }
+    bool ok;
+    const std::byte* src = decode_key_src(a, pos, key1, block, kEntry, my_part == 0, ok);
     if (my_part == 0) key_ok_s[stage * kKeyTile + my_key] = ok;
     const uint32_t dst = smem_addr(raw_s + (stage * kKeyTile + my_key) * kStride);
 #pragma unroll
@@ -827,16 +819,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   auto issue = [&](int tile, int block) {
     const int stage = tile % STAGES;
     const int pos = key0 + tile * kKeyTile + my_key;
-    bool ok = pos < key1;
-    const std::byte* src = a.cache_base;
-    if (ok) {
-      if (block < 0 || int64_t(block) >= a.num_blocks) {
-        ok = false;  // never read outside the cache; the key is masked and its row zeroed
-        if (my_part == 0) raise_error(a.error_flag, kErrBadBlockId);
-      } else {
-        src += int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * a.entry_bytes;
-      }
-    }
+    bool ok;
+    const std::byte* src = decode_key_src(a, pos, key1, block, a.entry_bytes, my_part == 0, ok);
     if (my_part == 0) key_ok_s[stage * kKeyTile + my_key] = ok;
     if constexpr (!kConvert) {
       const uint32_t dst = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);

@@ -263,16 +263,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   auto issue = [&](int tile, int block) {
     const int stage = tile & 1;
     const int pos = key0 + tile * kKeys + my_key;
-    bool ok = pos < key1;
-    const std::byte* src = a.cache_base;
-    if (ok) {
-      if (block < 0 || int64_t(block) >= a.num_blocks) {
-        ok = false;  // never read outside the cache; the key is masked and its row zeroed
-        if (my_part == 0) raise_error(a.error_flag, kErrBadBlockId);
-      } else {
-        src += int64_t(block) * a.block_stride + int64_t(pos % a.block_size) * kRowBytes;
-      }
-    }
+    bool ok;
+    const std::byte* src = decode_key_src(a, pos, key1, block, kRowBytes, my_part == 0, ok);
     if (my_part == 0) key_ok_s[stage * kKeys + my_key] = ok;
     const uint32_t dst = base + kKOff + stage * kTileBytes;
 #pragma unroll 2
