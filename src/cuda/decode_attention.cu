@@ -84,6 +84,18 @@ __host__ __device__ constexpr int fp8_raw_stride(int entry_bytes) {
 __host__ __device__ constexpr bool fp8_fragment_path(int rows, int raw_entry_bytes, int stages) {
   return rows == 16 && raw_entry_bytes != 0 && stages == kStages;
 }
+// The fragment-path kernels: generic (both formats, hardware code conversions, plain fp8 on
+// T mma: f16 activations, KMLA_FP8_DECODE=bf16mma, and fp8_ds_mla by default), then the
+// bf16-activation ones that compile one format each (decode_fp8_tiles' kF16Mma, kAlu):
+// plain fp8 on f16 mma with kAlu 0 / 1 / 2, fp8_ds_mla with kAlu 1 / 2.
+enum Fp8Kernel : int {
+  kFp8Generic = 0,
+  kFp8PlainF16 = 1,
+  kFp8PlainF16Mix = 2,
+  kFp8PlainF16Alu = 3,
+  kFp8DsMlaMix = 4,
+  kFp8DsMlaAlu = 5,
+};
 
 struct SmemPlan {
   int q = 0, tiles = 0, raw = 0, p = 0, key_ok = 0, red_max = 0, red_sum = 0, s_part = 0,
@@ -304,17 +316,44 @@ __device__ __forceinline__ uint32_t e4m3x2_to_act(uint32_t codes) {
   }
 }
 
-// 2 fp8_ds_mla codes with their scales -> 2 T: bf16(code * scale), then T.
+// 2 codes given as f16x2 (exact) with their scales -> 2 T: bf16(code * scale), then T.
 template <class T>
-__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float s0, float s1) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
+__device__ __forceinline__ uint32_t f16x2_scaled_to_act(uint32_t codes_f16, float s0, float s1) {
+  const float2 f = __half22float2(reinterpret_cast<const __half2&>(codes_f16));
   if constexpr (std::is_same_v<T, bf16>) {
     const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s0, f.y * s1);
     return reinterpret_cast<const uint32_t&>(b);
   } else {
     return pack2<fp16>(round_to<bf16>(f.x * s0), round_to<bf16>(f.y * s1));
   }
+}
+
+// 2 fp8_ds_mla codes with their scales -> 2 T: bf16(code * scale), then T.
+template <class T>
+__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float s0, float s1) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  return f16x2_scaled_to_act<T>(uint32_t(h.x) | (uint32_t(h.y) << 16), s0, s1);
+}
+
+// Codes kHalf * 2, kHalf * 2 + 1 of a word of 4 e4m3 codes -> f16x2 of code * 2^-8, exact,
+// on the integer pipe instead of the conversion unit (which also serves every other cvt of
+// the tile loop: the ds_mla rounding, P): code bits s eeee mmm become f16 bits
+// s 0 eeee mmm 0000000, i.e. the f16 with exponent eeee - 15 instead of eeee - 7 (subnormal
+// codes land on f16 subnormals, also exact). A byte permute, a shift and two logic ops per
+// pair. Unlike the cvt the two NaN codes (0x7F, 0xFF) come out as +-480 * 2^-8; the quantiser
+// saturates and unused slots are zero-filled by the loader, so valid keys never hold them.
+template <int kHalf>
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_alu(uint32_t word) {
+  // [code 2 kHalf + 1, 0, code 2 kHalf, 0]: each code in the high byte of its 16-bit lane
+  const uint32_t x = __byte_perm(word, 0u, kHalf ? 0x3424 : 0x1404);
+  return (x & 0x80008000u) | ((x & 0x7F007F00u) >> 1);
+}
+
+// f16x2 times 256, exact (undoes the 2^-8 of e4m3x2_to_f16x2_alu).
+__device__ __forceinline__ uint32_t f16x2_times256(uint32_t h) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(0x5C005C00u));
+  return r;
 }
 
 // 2 bf16 (packed) -> 2 T.
@@ -344,12 +383,20 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // the scale comes back in the fp32 score scale. P is rounded to bf16 as in the bf16 mma and
 // stored times 2^12 (exact in f16 down to p = 2^-26), taken out with 1 / l.
 
-template <class T, bool kPlain, bool kF16Mma, class KeyCount>
+//
+// kAlu moves code conversions from the conversion unit to the integer pipe
+// (e4m3x2_to_f16x2_alu), for the f16-mma plain fp8 path and fp8_ds_mla under bf16: 0 none,
+// 1 the key n-tiles 2 and 3 of the 8 code k-steps (the integer result times 256 by one f16x2
+// multiply, so all operands stay the exact codes), 2 all of them. Plain fp8 with 2 keeps the
+// codes times 2^-8 (no multiply) and takes the 2^8 out in the fp32 score and output scales.
+template <class T, bool kPlain, bool kF16Mma, int kAlu, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
+  static_assert(kAlu == 0 || (kPlain ? kF16Mma : std::is_same_v<T, bf16>));
+  constexpr bool kKeysScaled = kPlain && kAlu == 2;  // key operands are code * 2^-8
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
@@ -432,7 +479,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     qa[i][2] = q_pair(g, d1);
     qa[i][3] = q_pair(g + 8, d1);
   }
-  float score_lo = a.score_scale_log2, score_hi = a.score_scale_log2;
+  float score_lo = a.score_scale_log2 * (kKeysScaled ? 256.0f : 1.0f);
+  float score_hi = score_lo;
   if constexpr (kF16Mma) {
     if (!a.q_fp8) {  // bf16 Q -> f16 scaled per row (fp8 Q codes are exact in f16 as is)
       float mx[2] = {0.0f, 0.0f};
@@ -529,9 +577,23 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const uint32_t ws[4] = {w[n].x, w[n].y, w[n].z, w[n].w};
+        const bool alu = kAlu == 2 || (kAlu == 1 && n >= 2);  // a constant once unrolled
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          if constexpr (kPlain) {
+          if (alu) {
+            uint32_t h0 = e4m3x2_to_f16x2_alu<0>(ws[s]), h1 = e4m3x2_to_f16x2_alu<1>(ws[s]);
+            if (!kKeysScaled) {
+              h0 = f16x2_times256(h0);
+              h1 = f16x2_times256(h1);
+            }
+            if constexpr (kPlain) {
+              kf[bi][s][n][0] = h0;
+              kf[bi][s][n][1] = h1;
+            } else {
+              kf[bi][s][n][0] = f16x2_scaled_to_act<T>(h0, ks_scale[n], ks_scale[n]);
+              kf[bi][s][n][1] = f16x2_scaled_to_act<T>(h1, ks_scale[n], ks_scale[n]);
+            }
+          } else if constexpr (kPlain) {
             kf[bi][s][n][0] = e4m3x2_to_act<M>(ws[s]);
             kf[bi][s][n][1] = e4m3x2_to_act<M>(ws[s] >> 16);
           } else {
@@ -551,8 +613,13 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       if constexpr (kPlain) {
         const uint32_t v =
             *reinterpret_cast<const uint32_t*>(row + (32 + (tq ^ (h_g & 3))) * 16 + 4 * warp);
-        b0 = e4m3x2_to_act<M>(v);
-        b1 = e4m3x2_to_act<M>(v >> 16);
+        if constexpr (kKeysScaled) {
+          b0 = e4m3x2_to_f16x2_alu<0>(v);
+          b1 = e4m3x2_to_f16x2_alu<1>(v);
+        } else {
+          b0 = e4m3x2_to_act<M>(v);
+          b1 = e4m3x2_to_act<M>(v >> 16);
+        }
       } else {
         b0 = bf16x2_to_act<T>(
             *reinterpret_cast<const uint32_t*>(row + (32 + ((2 * warp) ^ h_g)) * 16 + 4 * tq));
@@ -565,39 +632,67 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     for (int n = 0; n < 4; ++n)
       s_part[(warp * 4 + n) * 32 + lane] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
     __syncthreads();
+    // The sum in warp order, under bf16 activations with a warp's own partial taken from its
+    // registers (12 of the 16 loads; the f16 generic kernel then spills 4 bytes, so it loads
+    // all four).
     float s[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      float4 v = s_part[n * 32 + lane];
-      s[n][0] = v.x;
-      s[n][1] = v.y;
-      s[n][2] = v.z;
-      s[n][3] = v.w;
+      float4 v[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        if (std::is_same_v<T, bf16> && w == warp)
+          v[w] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
+        else
+          v[w] = s_part[(w * 4 + n) * 32 + lane];
+      }
+      s[n][0] = v[0].x;
+      s[n][1] = v[0].y;
+      s[n][2] = v[0].z;
+      s[n][3] = v[0].w;
 #pragma unroll
       for (int w = 1; w < 4; ++w) {
-        v = s_part[(w * 4 + n) * 32 + lane];
-        s[n][0] += v.x;
-        s[n][1] += v.y;
-        s[n][2] += v.z;
-        s[n][3] += v.w;
+        s[n][0] += v[w].x;
+        s[n][1] += v[w].y;
+        s[n][2] += v[w].z;
+        s[n][3] += v[w].w;
       }
     }
 
     // ---- online softmax over the 32 keys, the same in all 4 warps ----
-    const int pos0 = key0 + t * kKeyTile + 2 * tq;
-    const uint8_t* ok = key_ok_s + stage * kKeyTile + 2 * tq;
+    // Most tiles are whole: every key loaded and visible to every row of the request. Then
+    // the per-key masks (position and flag tests, ~4 instructions a score) are skipped; rows
+    // past the request get unmasked scores of their zero Q, which they never write out.
     float mx_lo = kNegInf, mx_hi = kNegInf;
+    const int tile_end = key0 + t * kKeyTile + kKeyTile;
+    const bool whole = key_ok_s[stage * kKeyTile + lane] != 0 &&
+                       (row0 + g >= nrows || tile_end <= count_lo) &&
+                       (row0 + g + 8 >= nrows || tile_end <= count_hi);
+    if (__all_sync(0xffffffffu, whole)) {
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const uint32_t okp = *reinterpret_cast<const uint16_t*>(ok + 8 * n);
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int pos = pos0 + 8 * n + i;
-        const bool k_ok = (okp >> (8 * i)) & 0xFFu;
-        s[n][i] = k_ok && pos < count_lo ? s[n][i] * score_lo : kNegInf;
-        s[n][2 + i] = k_ok && pos < count_hi ? s[n][2 + i] * score_hi : kNegInf;
-        mx_lo = fmaxf(mx_lo, s[n][i]);
-        mx_hi = fmaxf(mx_hi, s[n][2 + i]);
+        for (int i = 0; i < 2; ++i) {
+          s[n][i] *= score_lo;
+          s[n][2 + i] *= score_hi;
+          mx_lo = fmaxf(mx_lo, s[n][i]);
+          mx_hi = fmaxf(mx_hi, s[n][2 + i]);
+        }
+    } else {
+      const int pos0 = key0 + t * kKeyTile + 2 * tq;
+      const uint8_t* ok = key_ok_s + stage * kKeyTile + 2 * tq;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const uint32_t okp = *reinterpret_cast<const uint16_t*>(ok + 8 * n);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int pos = pos0 + 8 * n + i;
+          const bool k_ok = (okp >> (8 * i)) & 0xFFu;
+          s[n][i] = k_ok && pos < count_lo ? s[n][i] * score_lo : kNegInf;
+          s[n][2 + i] = k_ok && pos < count_hi ? s[n][2 + i] * score_hi : kNegInf;
+          mx_lo = fmaxf(mx_lo, s[n][i]);
+          mx_hi = fmaxf(mx_hi, s[n][2 + i]);
+        }
       }
     }
 #pragma unroll
@@ -645,7 +740,10 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     for (int k = 0; k < 2; ++k) {
       auto pack_p = [&](float x, float y) -> uint32_t {
         if constexpr (kF16Mma) {
-          return pack2<fp16>(round_to<bf16>(x) * 4096.0f, round_to<bf16>(y) * 4096.0f);
+          // bf16 rounding of both in one cvt, then times 2^12 into f16 (exact)
+          const uint32_t b = pack2<bf16>(x, y);
+          return pack2<fp16>(__uint_as_float(b << 16) * 4096.0f,
+                             __uint_as_float(b & 0xFFFF0000u) * 4096.0f);
         } else {
           return pack2<T>(x, y);
         }
@@ -677,7 +775,10 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) continue;
     const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
     const bool empty = m == kNegInf || !(l > 0.0f);
-    const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale / 4096.0f : a.v_scale) / l;
+    // kF16Mma: P was stored times 2^12; kKeysScaled: V times 2^-8
+    const float inv =
+        empty ? 0.0f
+              : (kF16Mma ? a.v_scale * (kKeysScaled ? 1.0f / 16.0f : 1.0f / 4096.0f) : a.v_scale) / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
     const int col0 = 128 * warp + 16 * tq;
@@ -738,9 +839,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // (512 threads) is capped at 128 registers by the launch bounds.
 // The kernel runs one piece of work (decode_sched.cuh: a row tile of one request against a
 // key range) per call of splitkv_piece; a balanced-schedule CTA runs several in a row.
-// kF16Mma (plain fp8 cache, bf16 activations): the fp8 fragment path runs on f16 mma (see
-// decode_fp8_tiles).
-template <class T, int ROWS, bool kConvert, int STAGES, bool kF16Mma>
+// kFp8 (Fp8Kernel, bf16 activations only when nonzero): which fp8 fragment path the 16-row
+// 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant).
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
@@ -768,11 +869,17 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path.
-    constexpr bool kFast = kF16Mma && std::is_same_v<T, bf16>;
-    if (a.format == CacheFormat::fp8)
-      decode_fp8_tiles<T, true, kFast>(a, smem, work, ntiles, key_count);
-    else
-      decode_fp8_tiles<T, false, false>(a, smem, work, ntiles, key_count);
+    if constexpr (kFp8 == kFp8Generic) {
+      if (a.format == CacheFormat::fp8)
+        decode_fp8_tiles<T, true, false, 0>(a, smem, work, ntiles, key_count);
+      else
+        decode_fp8_tiles<T, false, false, 0>(a, smem, work, ntiles, key_count);
+    } else if constexpr (kFp8 <= kFp8PlainF16Alu) {
+      decode_fp8_tiles<T, true, true, kFp8 - kFp8PlainF16>(a, smem, work, ntiles, key_count);
+    } else {
+      decode_fp8_tiles<T, false, false, kFp8 - kFp8DsMlaMix + 1>(a, smem, work, ntiles,
+                                                                 key_count);
+    }
     return;
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1160,12 +1267,12 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 }
 
-template <class T, int ROWS, bool kConvert, int STAGES, bool kF16Mma = false>
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kF16Mma>(a, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(a, w);
     });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
@@ -1176,7 +1283,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
     if (threadIdx.x == 0) args_s = a;
     __syncthreads();
     for_each_decode_work<ROWS, kKeyTile>(args_s, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kF16Mma>(args_s, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(args_s, w);
     });
   }
 }
@@ -1407,29 +1514,53 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-// Under bf16 activations the plain fp8 cache's fragment path runs on f16 mma (one
-// conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200
-// (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma
-// (read once) keeps bf16 mma for A/B timing. (The same trick for fp8_ds_mla, scales that are
-// powers of two applied after the mma, measured slower, 425 against 352 us, and was dropped.)
-bool fp8_f16mma_enabled() {
-  static const bool on = [] {
+// The fragment-path kernel of a bf16-activation fp8 launch (Fp8Kernel). Plain fp8 runs on
+// f16 mma (one conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma).
+// Measured on H200 (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma.
+// KMLA_FP8_DECODE=bf16mma (read once) keeps bf16 mma for A/B timing. (The same trick for
+// fp8_ds_mla, scales that are powers of two applied after the mma, measured slower, 425
+// against 352 us, and was dropped.) KMLA_FP8_CVT=hw|mix|alu (read at every launch: an A/B
+// switch, which the tests also set) converts none, half or all of the key codes on the
+// integer pipe instead of the conversion unit (decode_fp8_tiles, kAlu).
+int fp8_kernel_variant(CacheFormat format) {
+  static const bool f16mma = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
     return e == nullptr || std::string_view(e) != "bf16mma";
   }();
-  return on;
+  const char* e = std::getenv("KMLA_FP8_CVT");
+  const std::string_view cvt = e ? e : "";
+  KMLA_CHECK(cvt.empty() || cvt == "hw" || cvt == "mix" || cvt == "alu",
+             "decode: KMLA_FP8_CVT must be hw, mix or alu, got ", cvt);
+  const int alu = cvt == "alu" ? 2 : cvt == "mix" ? 1 : 0;
+  if (format == CacheFormat::fp8) return f16mma ? kFp8PlainF16 + alu : kFp8Generic;
+  return alu ? kFp8DsMlaMix + alu - 1 : kFp8Generic;
+}
+
+template <class T, int ROWS, int STAGES, int kFp8>
+void launch_fp8_variant(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
+  auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, kFp8>;
+  KMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  variant<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
 }
 
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
-    if (args.format == CacheFormat::fp8 && fp8_f16mma_enabled()) {
-      auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, true>;
-      KMLA_CUDA_CHECK(
-          cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-      variant<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
-      KMLA_LAUNCH_CHECK();
-      return;
+    switch (fp8_kernel_variant(args.format)) {
+      case kFp8PlainF16:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16>(args, grid, smem_bytes, stream);
+      case kFp8PlainF16Mix:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16Mix>(args, grid, smem_bytes, stream);
+      case kFp8PlainF16Alu:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16Alu>(args, grid, smem_bytes, stream);
+      case kFp8DsMlaMix:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaMix>(args, grid, smem_bytes, stream);
+      case kFp8DsMlaAlu:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaAlu>(args, grid, smem_bytes, stream);
+      default:
+        break;
     }
   }
   auto kernel = decode_splitkv_kernel<T, ROWS, kConvert, STAGES>;

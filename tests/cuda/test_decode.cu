@@ -13,6 +13,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -878,6 +879,65 @@ TEST(CudaDecode, Fp8FragmentPathShapes) {
                                           << ", heads " << heads << ", act "
                                           << dtype_name(c.act));
         run_case(c, {{0, 0}, {1, 16}, {3, 16}, {7, 16}});
+      }
+    }
+  }
+}
+
+// Sets an environment variable for one scope (the decode launch reads KMLA_FP8_CVT at
+// every call), restoring the old value after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// The fragment path with key codes converted on the integer pipe (KMLA_FP8_CVT=mix: half of
+// them, each times 256 by an f16 multiply; alu: all of them, plain fp8 keeping code * 2^-8
+// and folding 2^8 into the fp32 scales), bf16 activations: the shapes above, plus plain fp8
+// k_scale 2^-20 and 8 and fp8_ds_mla tile scales up to 2^6 apart inside a row, so a lost
+// 2^8, a code pair in the wrong k-index or a scale on the wrong key shows.
+TEST(CudaDecode, Fp8FragmentPathIntegerConversions) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 400;
+  for (const char* cvt : {"mix", "alu"}) {
+    ScopedEnv env("KMLA_FP8_CVT", cvt);
+    for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+      for (int bs : {16, 64, 256}) {
+        for (int heads : {1, 3, 12, 16}) {
+          DecodeCase c;
+          c.format = format;
+          c.act = DType::bf16;
+          c.q_fp8 = format == CacheFormat::fp8 && heads < 12;
+          c.q_scale = 0.5f;
+          // (larger scales would make the fp32 logits themselves too coarse for the reference)
+          c.k_scale = bs == 16 ? 0.75f : bs == 64 ? std::ldexp(1.0f, -20) : 8.0f;
+          c.column_spread = format == CacheFormat::fp8_ds_mla && bs == 256 ? 2.0f : 1.0f;
+          c.heads = heads;
+          c.block_size = bs;
+          const int q = std::max(1, std::min(4, 16 / heads));
+          c.seq_lens = {31, 32, 33, 0, 97, 128, 129, 1000};
+          c.query_lens = {1, q, 1, 0, q, 1, q, q};
+          c.seed = seed++;
+          SCOPED_TRACE(::testing::Message() << cvt << ", " << cache_format_name(format)
+                                            << ", block size " << bs << ", heads " << heads);
+          run_case(c, {{0, 0}, {1, 16}, {3, 16}});
+        }
       }
     }
   }
