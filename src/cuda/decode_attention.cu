@@ -95,6 +95,8 @@ enum Fp8Kernel : int {
   kFp8PlainF16Alu = 3,
   kFp8DsMlaMix = 4,
   kFp8DsMlaAlu = 5,
+  kFp8DsMlaHw = 6,
+  kFp8SplitSum = 8,  // flag: decode_fp8_tiles' kSplitSum
 };
 
 struct SmemPlan {
@@ -389,7 +391,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // 1 the key n-tiles 2 and 3 of the 8 code k-steps (the integer result times 256 by one f16x2
 // multiply, so all operands stay the exact codes), 2 all of them. Plain fp8 with 2 keeps the
 // codes times 2^-8 (no multiply) and takes the 2^8 out in the fp32 score and output scales.
-template <class T, bool kPlain, bool kF16Mma, int kAlu, class KeyCount>
+template <class T, bool kPlain, bool kF16Mma, int kAlu, bool kSplitSum, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
@@ -628,34 +630,72 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       }
       mma_16816<M>(sp4[n], qa[8], b0, b1);
     }
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-      s_part[(warp * 4 + n) * 32 + lane] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
-    __syncthreads();
-    // The sum in warp order, under bf16 activations with a warp's own partial taken from its
-    // registers (12 of the 16 loads; the f16 generic kernel then spills 4 bytes, so it loads
-    // all four).
     float s[4][4];
+    if constexpr (kSplitSum) {
+      // Warp w adds up n-tile w only (the other warps' partials of it, its own from
+      // registers, in warp order: the same sum as below), puts the total on the diagonal
+      // slot [w][w] (which no warp wrote), and after one more barrier reads the other three
+      // totals: per warp 3 + 1 + 3 16-byte stores / loads and 12 adds instead of 4 + 12 and 48.
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+      for (int n = 0; n < 4; ++n)
+        if (n != warp)
+          s_part[(warp * 4 + n) * 32 + lane] =
+              make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
+      float4 own = make_float4(sp4[0][0], sp4[0][1], sp4[0][2], sp4[0][3]);
+#pragma unroll
+      for (int n = 1; n < 4; ++n)
+        if (n == warp) own = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
+      __syncthreads();
       float4 v[4];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        if (std::is_same_v<T, bf16> && w == warp)
-          v[w] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
-        else
-          v[w] = s_part[(w * 4 + n) * 32 + lane];
-      }
-      s[n][0] = v[0].x;
-      s[n][1] = v[0].y;
-      s[n][2] = v[0].z;
-      s[n][3] = v[0].w;
+      for (int w = 0; w < 4; ++w) v[w] = w == warp ? own : s_part[(w * 4 + warp) * 32 + lane];
+      float4 tot = v[0];
 #pragma unroll
       for (int w = 1; w < 4; ++w) {
-        s[n][0] += v[w].x;
-        s[n][1] += v[w].y;
-        s[n][2] += v[w].z;
-        s[n][3] += v[w].w;
+        tot.x += v[w].x;
+        tot.y += v[w].y;
+        tot.z += v[w].z;
+        tot.w += v[w].w;
+      }
+      s_part[(warp * 4 + warp) * 32 + lane] = tot;
+      __syncthreads();
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float4 x = n == warp ? tot : s_part[(n * 4 + n) * 32 + lane];
+        s[n][0] = x.x;
+        s[n][1] = x.y;
+        s[n][2] = x.z;
+        s[n][3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        s_part[(warp * 4 + n) * 32 + lane] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
+      __syncthreads();
+      // The sum in warp order, under bf16 activations with a warp's own partial taken from its
+      // registers (12 of the 16 loads; the f16 generic kernel then spills 4 bytes, so it loads
+      // all four).
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        float4 v[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          if (std::is_same_v<T, bf16> && w == warp)
+            v[w] = make_float4(sp4[n][0], sp4[n][1], sp4[n][2], sp4[n][3]);
+          else
+            v[w] = s_part[(w * 4 + n) * 32 + lane];
+        }
+        s[n][0] = v[0].x;
+        s[n][1] = v[0].y;
+        s[n][2] = v[0].z;
+        s[n][3] = v[0].w;
+#pragma unroll
+        for (int w = 1; w < 4; ++w) {
+          s[n][0] += v[w].x;
+          s[n][1] += v[w].y;
+          s[n][2] += v[w].z;
+          s[n][3] += v[w].w;
+        }
       }
     }
 
@@ -869,16 +909,19 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path.
-    if constexpr (kFp8 == kFp8Generic) {
+    constexpr int kV = kFp8 & ~kFp8SplitSum;
+    constexpr bool kSplit = (kFp8 & kFp8SplitSum) != 0;
+    if constexpr (kV == kFp8Generic) {
       if (a.format == CacheFormat::fp8)
-        decode_fp8_tiles<T, true, false, 0>(a, smem, work, ntiles, key_count);
+        decode_fp8_tiles<T, true, false, 0, kSplit>(a, smem, work, ntiles, key_count);
       else
-        decode_fp8_tiles<T, false, false, 0>(a, smem, work, ntiles, key_count);
-    } else if constexpr (kFp8 <= kFp8PlainF16Alu) {
-      decode_fp8_tiles<T, true, true, kFp8 - kFp8PlainF16>(a, smem, work, ntiles, key_count);
-    } else {
-      decode_fp8_tiles<T, false, false, kFp8 - kFp8DsMlaMix + 1>(a, smem, work, ntiles,
+        decode_fp8_tiles<T, false, false, 0, kSplit>(a, smem, work, ntiles, key_count);
+    } else if constexpr (kV <= kFp8PlainF16Alu) {
+      decode_fp8_tiles<T, true, true, kV - kFp8PlainF16, kSplit>(a, smem, work, ntiles,
                                                                  key_count);
+    } else {
+      constexpr int kAlu = kV == kFp8DsMlaHw ? 0 : kV - kFp8DsMlaMix + 1;
+      decode_fp8_tiles<T, false, false, kAlu, kSplit>(a, smem, work, ntiles, key_count);
     }
     return;
   }
@@ -1532,8 +1575,11 @@ int fp8_kernel_variant(CacheFormat format) {
   KMLA_CHECK(cvt.empty() || cvt == "hw" || cvt == "mix" || cvt == "alu",
              "decode: KMLA_FP8_CVT must be hw, mix or alu, got ", cvt);
   const int alu = cvt == "alu" ? 2 : cvt == "mix" ? 1 : 0;
-  if (format == CacheFormat::fp8) return f16mma ? kFp8PlainF16 + alu : kFp8Generic;
-  return alu ? kFp8DsMlaMix + alu - 1 : kFp8Generic;
+  const int split = env_int("KMLA_FP8_SPLITSUM", 0) ? kFp8SplitSum : 0;
+  if (format == CacheFormat::fp8) return f16mma ? (kFp8PlainF16 + alu) | split : kFp8Generic;
+  // fp8_ds_mla with hardware conversions and the split sum: the ds_mla kAlu 0 kernel
+  if (split && !alu) return kFp8DsMlaHw | split;
+  return alu ? (kFp8DsMlaMix + alu - 1) | split : kFp8Generic;
 }
 
 template <class T, int ROWS, int STAGES, int kFp8>
@@ -1549,16 +1595,19 @@ template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
     switch (fp8_kernel_variant(args.format)) {
-      case kFp8PlainF16:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16>(args, grid, smem_bytes, stream);
-      case kFp8PlainF16Mix:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16Mix>(args, grid, smem_bytes, stream);
-      case kFp8PlainF16Alu:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8PlainF16Alu>(args, grid, smem_bytes, stream);
-      case kFp8DsMlaMix:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaMix>(args, grid, smem_bytes, stream);
-      case kFp8DsMlaAlu:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaAlu>(args, grid, smem_bytes, stream);
+#define KMLA_FP8_CASE(v)                                                          \
+  case v:                                                                         \
+    return launch_fp8_variant<T, ROWS, STAGES, v>(args, grid, smem_bytes, stream); \
+  case v | kFp8SplitSum:                                                          \
+    return launch_fp8_variant<T, ROWS, STAGES, v | kFp8SplitSum>(args, grid, smem_bytes, stream);
+      KMLA_FP8_CASE(kFp8PlainF16)
+      KMLA_FP8_CASE(kFp8PlainF16Mix)
+      KMLA_FP8_CASE(kFp8PlainF16Alu)
+      KMLA_FP8_CASE(kFp8DsMlaMix)
+      KMLA_FP8_CASE(kFp8DsMlaAlu)
+      case kFp8DsMlaHw | kFp8SplitSum:
+        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaHw | kFp8SplitSum>(args, grid, smem_bytes, stream);
+#undef KMLA_FP8_CASE
       default:
         break;
     }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -907,19 +908,27 @@ class ScopedEnv {
   std::string old_;
 };
 
-// The fragment path with key codes converted on the integer pipe (KMLA_FP8_CVT=mix: half of
-// them, each times 256 by an f16 multiply; alu: all of them, plain fp8 keeping code * 2^-8
-// and folding 2^8 into the fp32 scales), bf16 activations: the shapes above, plus plain fp8
-// k_scale 2^-20 and 8 and fp8_ds_mla tile scales up to 2^6 apart inside a row, so a lost
-// 2^8, a code pair in the wrong k-index or a scale on the wrong key shows.
-TEST(CudaDecode, Fp8FragmentPathIntegerConversions) {
+// The other fragment-path kernels under bf16 activations: key codes converted on the
+// integer pipe (KMLA_FP8_CVT=mix: half of them, each times 256 by an f16 multiply; alu: all
+// of them, plain fp8 keeping code * 2^-8 and folding 2^8 into the fp32 scales), and the
+// partial S tiles summed one n-tile per warp (KMLA_FP8_SPLITSUM=1). Block sizes 16 / 64 /
+// 256 with head counts rotating through 1, 3, 12, 16, plus plain fp8 k_scale 2^-20 and 8 and
+// fp8_ds_mla tile scales up to 2^6 apart inside a row, so a lost 2^8, a code pair in the
+// wrong k-index, a scale on the wrong key or a partial S from the wrong warp shows.
+TEST(CudaDecode, Fp8FragmentPathVariants) {
   KMLA_REQUIRE_GPU();
   uint64_t seed = 400;
-  for (const char* cvt : {"mix", "alu"}) {
-    ScopedEnv env("KMLA_FP8_CVT", cvt);
-    for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-      for (int bs : {16, 64, 256}) {
-        for (int heads : {1, 3, 12, 16}) {
+  int combo = 0;
+  for (const char* split : {"0", "1"}) {
+    ScopedEnv split_env("KMLA_FP8_SPLITSUM", split);
+    for (const char* cvt : {"hw", "mix", "alu"}) {
+      if (split[0] == '0' && cvt[0] == 'h') continue;  // Fp8FragmentPathShapes
+      ScopedEnv cvt_env("KMLA_FP8_CVT", cvt);
+      ++combo;
+      for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+        for (int i = 0; i < 4; ++i) {
+          const int bs = i == 3 ? 64 : 16 << (2 * i);
+          const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + combo) % 4];
           DecodeCase c;
           c.format = format;
           c.act = DType::bf16;
@@ -934,8 +943,10 @@ TEST(CudaDecode, Fp8FragmentPathIntegerConversions) {
           c.seq_lens = {31, 32, 33, 0, 97, 128, 129, 1000};
           c.query_lens = {1, q, 1, 0, q, 1, q, q};
           c.seed = seed++;
-          SCOPED_TRACE(::testing::Message() << cvt << ", " << cache_format_name(format)
-                                            << ", block size " << bs << ", heads " << heads);
+          SCOPED_TRACE(::testing::Message()
+                       << "cvt " << cvt << ", split sum " << split << ", "
+                       << cache_format_name(format) << ", block size " << bs << ", heads "
+                       << heads);
           run_case(c, {{0, 0}, {1, 16}, {3, 16}});
         }
       }
