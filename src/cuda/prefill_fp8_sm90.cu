@@ -167,7 +167,9 @@ __device__ __forceinline__ void warp_copy_sw128(uint32_t panel, const uint8_t* s
 #pragma unroll 1
   for (int x = lane; x < 128 * 8; x += 32) {
     const int r = x >> 3, c = x & 7;
-    cp_async16(panel + r * 128 + ((c ^ (r & 7)) << 4), src + r * row_stride + 16 * c, r < valid);
+    const bool ok = r < valid;  // a missing row reads nothing, from a valid address
+    cp_async16(panel + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + r * row_stride + 16 * c : src,
+               ok);
   }
 }
 __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* src,
@@ -175,8 +177,9 @@ __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* sr
 #pragma unroll 1
   for (int x = lane; x < 128 * 4; x += 32) {
     const int r = x >> 2, c = x & 3;
-    cp_async16(panel + r * 64 + ((c ^ ((r >> 1) & 3)) << 4), src + r * row_stride + 16 * c,
-               r < valid);
+    const bool ok = r < valid;
+    cp_async16(panel + r * 64 + ((c ^ ((r >> 1) & 3)) << 4), ok ? src + r * row_stride + 16 * c : src,
+               ok);
   }
 }
 
