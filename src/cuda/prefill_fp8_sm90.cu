@@ -30,7 +30,6 @@ namespace {
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
 constexpr int kBlockM = 128;   // query rows per CTA: two consumer warpgroups of 64
 constexpr int kBlockN = 128;   // keys per tile
-constexpr int kStages = 2;     // depth of the K ring, the raw V ring and the V^T ring
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 
 // Shared memory, all from a 1024-byte-aligned base. An e4m3 element is one byte, so a
@@ -42,7 +41,8 @@ constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 //   Q        nope SW128 [128 rows][128 B] 16384, rope SW64 [128][64 B] 8192       24576
 //   stage s  K nope SW128 16384 | K rope SW64 8192 | V raw SW128 [keys][dims] 16384 |
 //            V^T SW128 [dims][keys] 16384                                            57344
-//   total    24576 + 2 x 57344 = 139264 (136 KiB) + 1024 alignment slack
+//   total    2 stages: 24576 + 2 x 57344 = 139264 (136 KiB), 3 stages: 196608 (192 KiB),
+//            + 1024 alignment slack
 // The 13 mbarriers are static shared memory (104 bytes).
 constexpr int kQNopeBytes = kBlockM * 128;  // 16384
 constexpr int kQRopeBytes = kBlockM * 64;   // 8192
@@ -54,10 +54,12 @@ constexpr int kVtOff = kVRawOff + kBlockN * 128;    // 40960
 constexpr int kStageBytes = kVtOff + kVDim * kBlockN;  // 57344
 constexpr int kKBytes = kVRawOff;                   // K nope + rope: 24576
 constexpr int kVBytes = kBlockN * kVDim;            // 16384
-constexpr int kSmemAlloc = kQBytes + kStages * kStageBytes + 1024;
+// kStages (a template parameter, 2 or 3) is the depth of the K ring, the raw V ring and the
+// V^T ring alike.
+constexpr int smem_alloc(int stages) { return kQBytes + stages * kStageBytes + 1024; }
 static_assert(kKRopeOff % 1024 == 0 && kVRawOff % 1024 == 0 && kVtOff % 1024 == 0 &&
               kStageBytes % 1024 == 0 && kQBytes % 1024 == 0);
-static_assert(kSmemAlloc <= 227 * 1024, "fits the sm_90 per-block opt-in");
+static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt-in");
 
 // Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
 // the producer drops to 56 and the consumers rise to 224: 128 x 56 + 256 x 224 = 64512, the
@@ -270,7 +272,7 @@ __device__ __forceinline__ void turn_pass() {
 //   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
 //   vr_full[s] (1 + bytes) / vr_empty[s] (2 transposer warps);
 //   vt_full[s] (2 transposer warps) / vt_empty[s] (8 consumer warps).
-template <class T>
+template <class T, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int blocks_per_head, int head_group, bool pingpong) {
@@ -720,7 +722,7 @@ bool fp8_kernel_runs_on(int device) {
     bool ok = major == 9;
     if (ok) {
       cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_fp8_sm90_kernel<bf16>));
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_fp8_sm90_kernel<bf16, 2>));
       ok = attr.binaryVersion >= 90;
     }
     v = ok ? 2 : 1;
@@ -785,15 +787,17 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   encode_map(&maps.k_nope, p.k_nope, 0, kNope, p.heads, "k_nope");
   encode_map(&maps.k_rope, p.k_rope, 0, kRope, p.heads, "k_rope");
   encode_map(&maps.v, p.v, 0, kVDim, p.heads, "v");
+  KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
+             opt.stages);
   const int blocks_per_head = int(ceil_div(p.max_q_len, kBlockM));
   const int head_group = std::min(opt.head_group, p.heads);
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = prefill_fp8_sm90_kernel<T>;
+    auto* kernel = opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3> : prefill_fp8_sm90_kernel<T, 2>;
+    const int smem = smem_alloc(opt.stages);
     KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, blocks_per_head, head_group,
-                                                   opt.pingpong);
+    kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -9,7 +9,8 @@ namespace kmla::cuda {
 
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
-// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N.
+// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
+// KMLA_PREFILL_FP8_STAGES=2|3.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -17,6 +18,8 @@ struct Fp8PrefillOptions {
   // CTA order: heads in groups of this many, the longest query blocks of a group first
   // (0: all blocks of a head, then the next head).
   int head_group = 8;
+  // Depth of the K, raw V and V^T rings: 2 (136 KiB of shared memory) or 3 (192 KiB).
+  int stages = 2;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this

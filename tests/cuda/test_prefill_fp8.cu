@@ -2,8 +2,8 @@
 // against an fp64 CPU reference on the dequantised inputs. Every input buffer is NaN (code
 // 0x7F) wherever it is not an operand element, including rows past the last token, so a load
 // outside a sequence poisons the result; out and lse are poisoned before each run so missing
-// and stray writes are caught. Each case runs the public entry point and two non-default
-// variants of the kernel (ping-pong with head groups of 3, head-major CTA order).
+// and stray writes are caught. Each case runs the public entry point and three non-default
+// variants of the kernel (ping-pong, head groups of 3, head-major CTA order, 3 stages).
 //
 // Two kinds of data:
 // * exact: every query row is one-hot (code 1 at a random one of the 192 dims) and the keys
@@ -262,8 +262,9 @@ void run_case(const Case& c) {
     cuda::Fp8PrefillOptions opt;
   };
   const Variant variants[] = {{"public entry point", true, {}},
-                              {"pingpong, head groups of 3", false, {true, 3}},
-                              {"head-major order", false, {false, 0}}};
+                              {"pingpong, head groups of 3", false, {true, 3, 2}},
+                              {"head-major order, 3 stages", false, {false, 0, 3}},
+                              {"pingpong, 3 stages", false, {true, 8, 3}}};
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
     d_out.fill_bytes(0xFF);
