@@ -10,7 +10,7 @@ namespace kmla::cuda {
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
-// KMLA_PREFILL_FP8_STAGES=2|3.
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -20,6 +20,8 @@ struct Fp8PrefillOptions {
   int head_group = 8;
   // Depth of the K, raw V and V^T rings: 2 (136 KiB of shared memory) or 3 (192 KiB).
   int stages = 2;
+  // The softmax's exponentials in f16x2 (half the MUFU work; P is rounded to e4m3 anyway).
+  bool exp16 = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
