@@ -102,6 +102,14 @@ Case prefill_case(int tokens, int heads, bool causal) {
   return c;
 }
 
+Case prefill_fp8_case(int tokens, int heads, bool causal) {
+  Case c = prefill_case(tokens, heads, causal);
+  c.fp8 = true;
+  c.name = "prefill/fp8_t" + std::to_string(tokens) + "_h" + std::to_string(heads) +
+           (causal ? "_causal" : "_noncausal");
+  return c;
+}
+
 Case mixed_decode_case(int b, int h, int s, int q) {
   Case c = decode_case(b, h, s, q);
   c.mixed = true;
@@ -189,6 +197,8 @@ std::vector<Case> standard_cases() {
       prefill_case(8192, 64),
       prefill_case(8192, 16),
       prefill_case(32768, 16),
+      prefill_fp8_case(8192, 64),
+      prefill_fp8_case(8192, 16),
       layer_case(Kind::layer_decode, "kimi-k3", 8, 128, 8192, 1, 0),
       layer_case(Kind::layer_prefill, "kimi-k3", 8, 0, 0, 0, 8192),
       // Mixed batches against the uniform ones above (same mean bytes / FLOPs).

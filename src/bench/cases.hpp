@@ -53,6 +53,7 @@ struct Case {
   int batch = 0, heads = 0, seq = 0, q_len = 1, tokens = 0, block_size = 64;
   CacheFormat format = CacheFormat::bf16;
   bool causal = true;
+  bool fp8 = false;   // prefill: e4m3 inputs (the Hopper fp8 kernel), timed against bf16
   std::string model;  // layer kinds: the preset
   int tp = 1;         // layer kinds: a rank of this tensor-parallel world (heads = preset / tp)
   int rank = 0;       // layer kinds: which rank
@@ -69,6 +70,9 @@ struct Case {
 Case decode_case(int batch, int heads, int seq, int q_len, CacheFormat f = CacheFormat::bf16,
                  int block_size = 64, bool causal = true);
 Case prefill_case(int tokens, int heads, bool causal = true);
+// prefill_case with e4m3 inputs ("prefill/fp8_t..."): its report line also gives the bf16
+// kernel's time for the same shape, measured in the same run, and the ratio of the two.
+Case prefill_fp8_case(int tokens, int heads, bool causal = true);
 Case layer_case(Kind kind, const std::string& model, int tp, int batch, int seq, int q_len,
                 int tokens, int block_size = 64, CacheFormat f = CacheFormat::bf16);
 

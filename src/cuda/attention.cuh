@@ -130,6 +130,16 @@ struct PrefillParams {
   float softmax_scale = 1.0f;
   DType act = DType::bf16;
   bool portable = false;
+  // fp8 inputs (sm_90 only, not with portable): q, k_nope, k_rope and v hold e4m3 codes, one
+  // byte each, so their strides (still in elements) are byte counts and must be multiples of
+  // 16, with positive row strides and positive head strides (k_rope: or 0). Value = code *
+  // scale, one fp32 scale per tensor read from device memory when the kernel runs (a CUDA
+  // graph replays with recalibrated scales); k_scale serves k_nope and k_rope. out and lse
+  // are as above (out in act). P is rounded to e4m3 (as 256 p) for P.V.
+  bool fp8 = false;
+  const float* q_scale = nullptr;  // device, 1 float each
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 void prefill_attention(const PrefillParams& p, cudaStream_t stream);

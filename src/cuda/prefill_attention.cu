@@ -23,6 +23,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/prefill_fp8_sm90.cuh"
 
 namespace kmla::cuda {
 namespace {
@@ -412,6 +413,24 @@ void check_operand(const Operand& o, const char* name, bool need_ptr) {
              ".head_stride must be a multiple of 8 elements (16 bytes), got ", o.head_stride);
 }
 
+// fp8 operands are read by TMA (whole boxes) and 16-byte cp.async (partial ones): 16-byte
+// aligned rows and heads (strides in elements are bytes here), positive row strides, positive
+// head strides except a shared k_rope (0), each below the TMA limit of 2^40 bytes.
+void check_fp8_operand(const Operand& o, const char* name, bool need_ptr, bool may_share) {
+  KMLA_CHECK(!need_ptr || o.ptr != nullptr, "prefill_attention: ", name, ".ptr is null");
+  KMLA_CHECK(reinterpret_cast<uintptr_t>(o.ptr) % 16 == 0, "prefill_attention: fp8 ", name,
+             ".ptr must be 16-byte aligned, got ", o.ptr);
+  constexpr int64_t kMax = int64_t(1) << 40;
+  KMLA_CHECK(o.row_stride > 0 && o.row_stride % 16 == 0 && o.row_stride < kMax,
+             "prefill_attention: fp8 ", name,
+             ".row_stride must be a positive multiple of 16 (bytes) below 2^40, got ",
+             o.row_stride);
+  KMLA_CHECK((o.head_stride > 0 || (may_share && o.head_stride == 0)) && o.head_stride % 16 == 0 &&
+                 o.head_stride < kMax,
+             "prefill_attention: fp8 ", name, ".head_stride must be a positive multiple of 16",
+             may_share ? " (or 0: shared by all heads)" : "", " below 2^40, got ", o.head_stride);
+}
+
 template <class T, int kRows>
 void launch_prefill(const PrefillParams& p, float scale_log2, cudaStream_t stream) {
   using Tile = Tiling<kRows>;
@@ -482,10 +501,21 @@ bool check_params(const PrefillParams& p) {
   KMLA_CHECK(p.softmax_scale > 0.f && std::isfinite(p.softmax_scale),
              "prefill_attention: softmax_scale must be positive and finite, got ", p.softmax_scale);
   const bool work = p.num_seqs > 0 && p.max_q_len > 0;
-  check_operand(p.q, "q", work);
-  check_operand(p.k_nope, "k_nope", work);
-  check_operand(p.k_rope, "k_rope", work);
-  check_operand(p.v, "v", work);
+  if (p.fp8) {
+    KMLA_CHECK(!p.portable,
+               "prefill_attention: fp8 inputs run only on the Hopper kernel; portable must be false");
+    check_fp8_operand(p.q, "q", work, false);
+    check_fp8_operand(p.k_nope, "k_nope", work, false);
+    check_fp8_operand(p.k_rope, "k_rope", work, true);
+    check_fp8_operand(p.v, "v", work, false);
+    KMLA_CHECK(!work || (p.q_scale != nullptr && p.k_scale != nullptr && p.v_scale != nullptr),
+               "prefill_attention: fp8 needs q_scale, k_scale and v_scale (device pointers)");
+  } else {
+    check_operand(p.q, "q", work);
+    check_operand(p.k_nope, "k_nope", work);
+    check_operand(p.k_rope, "k_rope", work);
+    check_operand(p.v, "v", work);
+  }
   check_operand(Operand{p.out, p.out_row_stride, p.out_head_stride}, "out", work);
   KMLA_CHECK(!work || (p.lse != nullptr && p.cu_q != nullptr && p.cu_k != nullptr),
              "prefill_attention: lse, cu_q and cu_k must be set");
@@ -508,6 +538,7 @@ void launch_checked(const PrefillParams& p, int rows_per_cta, cudaStream_t strea
 void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream_t stream) {
   KMLA_CHECK(rows_per_cta == 64 || rows_per_cta == 128,
              "prefill_attention: rows_per_cta must be 64 or 128, got ", rows_per_cta);
+  KMLA_CHECK(!p.fp8, "prefill_attention_rows: the mma.sync kernel takes no fp8 inputs");
   if (check_params(p)) launch_checked(p, rows_per_cta, stream);
 }
 
@@ -556,7 +587,51 @@ const Sm90Options& sm90_options_from_env() {
   return opt;
 }
 
+// The fp8 kernel's variant for prefill_attention (read once per process):
+// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N (0..128),
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1. Unset: the defaults.
+const Fp8PrefillOptions& fp8_options_from_env() {
+  static const Fp8PrefillOptions opt = [] {
+    Fp8PrefillOptions o;
+    o.pingpong = env_switch("KMLA_PREFILL_FP8_PINGPONG", o.pingpong);
+    o.exp16 = env_switch("KMLA_PREFILL_FP8_EXP16", o.exp16);
+    if (const char* st = std::getenv("KMLA_PREFILL_FP8_STAGES"); st != nullptr && *st != '\0') {
+      KMLA_CHECK(std::strcmp(st, "2") == 0 || std::strcmp(st, "3") == 0,
+                 "KMLA_PREFILL_FP8_STAGES must be 2 or 3, got '", st, "'");
+      o.stages = st[0] - '0';
+    }
+    const char* env = std::getenv("KMLA_PREFILL_FP8_HEAD_GROUP");
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long g = std::strtol(env, &end, 10);
+      KMLA_CHECK(*end == '\0' && g >= 0 && g <= 128,
+                 "KMLA_PREFILL_FP8_HEAD_GROUP must be an integer in [0, 128], got '", env, "'");
+      o.head_group = int(g);
+    }
+    return o;
+  }();
+  return opt;
+}
+
+void check_fp8_device() {
+  if (prefill_fp8_supported()) return;
+  int device = 0, major = 0, minor = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  KMLA_CHECK(false, "prefill_attention: fp8 inputs need an sm_90 GPU and sm_90a code in this build; "
+             "device ", device, " is sm_", major, minor);
+}
+
 }  // namespace
+
+void prefill_attention_fp8(const PrefillParams& p, cudaStream_t stream,
+                           const Fp8PrefillOptions& opt) {
+  KMLA_CHECK(p.fp8, "prefill_attention_fp8: p.fp8 must be set");
+  if (!check_params(p)) return;
+  check_fp8_device();
+  prefill_attention_fp8_launch(p, opt, stream);
+}
 
 bool prefill_uses_sm90(const PrefillParams& p) {
   return !p.portable && sm90_allowed_by_env() && prefill_sm90_supported(p);
@@ -564,6 +639,7 @@ bool prefill_uses_sm90(const PrefillParams& p) {
 
 void prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream,
                             const Sm90Options& opt) {
+  KMLA_CHECK(!p.fp8, "prefill_attention_sm90: the 16-bit wgmma kernel takes no fp8 inputs");
   if (!check_params(p)) return;
   KMLA_CHECK(prefill_sm90_supported(p),
              "prefill_attention_sm90: the current device is not an sm_90 GPU");
@@ -572,6 +648,11 @@ void prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream,
 
 void prefill_attention(const PrefillParams& p, cudaStream_t stream) {
   if (!check_params(p)) return;
+  if (p.fp8) {
+    check_fp8_device();
+    prefill_attention_fp8_launch(p, fp8_options_from_env(), stream);
+    return;
+  }
   if (prefill_uses_sm90(p))
     prefill_attention_sm90_launch(p, sm90_options_from_env(), stream);
   else

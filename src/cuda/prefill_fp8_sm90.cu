@@ -1,0 +1,885 @@
+// fp8 (e4m3) variable-length prefill attention for Hopper (sm_90a): PrefillParams with fp8 set.
+// Same contract as the 16-bit kernels (cuda/attention.cuh): causal bottom-right or not, LSE in
+// natural log, out rounded once to the activation dtype. Design, budgets and the reasons for
+// each choice: docs/prefill_sm90.md, section "fp8 prefill".
+//
+// Numerics. Inputs are codes with one fp32 scale per tensor (x = code * scale, read on the
+// device). S = Q8 K8^T in fp32 on the tensor cores; the scales of q and k fold into the
+// softmax's base-2 scale. P is stored for P.V as e4m3 codes of 256 p (p <= 1 after the running
+// max is subtracted, so 256 p <= 256 < 448, and p down to 2^-14 stays a normal e4m3 number);
+// the row sum l adds the unrounded 256 p, so O / l carries no factor 256 and only v's scale is
+// left for the epilogue.
+//
+// Only the sm_90a compile holds the kernel; other targets compile an empty body.
+#include <cuda.h>  // CUtensorMap, encoded through the runtime's driver entry point
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/attention.cuh"
+#include "cuda/prefill_fp8_sm90.cuh"
+#include "cuda/sm90.cuh"
+
+namespace kmla::cuda {
+namespace {
+
+constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
+constexpr int kBlockM = 128;   // query rows per CTA: two consumer warpgroups of 64
+constexpr int kBlockN = 128;   // keys per tile
+constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
+
+// Shared memory, all from a 1024-byte-aligned base. An e4m3 element is one byte, so a
+// 128-dim row is exactly one 128-byte swizzle row ("SW128": 16-byte chunk c of row r at
+// r * 128 + 16 (c ^ (r & 7)), repeating every 1024 bytes) and the 64-dim rope part is one
+// 64-byte swizzle row ("SW64": chunk c of row r at r * 64 + 16 (c ^ ((r >> 1) & 3)),
+// repeating every 512 bytes). Both are the layouts TMA writes with the matching swizzle mode
+// and that wgmma reads through a K-major descriptor of that mode.
+//   Q        nope SW128 [128 rows][128 B] 16384, rope SW64 [128][64 B] 8192       24576
+//   stage s  K nope SW128 16384 | K rope SW64 8192 | V raw SW128 [keys][dims] 16384 |
+//            V^T SW128 [dims][keys] 16384                                            57344
+//   total    2 stages: 24576 + 2 x 57344 = 139264 (136 KiB), 3 stages: 196608 (192 KiB),
+//            + 1024 alignment slack
+// The 13 mbarriers are static shared memory (104 bytes).
+constexpr int kQNopeBytes = kBlockM * 128;  // 16384
+constexpr int kQRopeBytes = kBlockM * 64;   // 8192
+constexpr int kQBytes = kQNopeBytes + kQRopeBytes;
+constexpr int kKNopeOff = 0;
+constexpr int kKRopeOff = kBlockN * 128;          // 16384
+constexpr int kVRawOff = kKRopeOff + kBlockN * 64;  // 24576
+constexpr int kVtOff = kVRawOff + kBlockN * 128;    // 40960
+constexpr int kStageBytes = kVtOff + kVDim * kBlockN;  // 57344
+constexpr int kKBytes = kVRawOff;                   // K nope + rope: 24576
+constexpr int kVBytes = kBlockN * kVDim;            // 16384
+// kStages (a template parameter, 2 or 3) is the depth of the K ring, the raw V ring and the
+// V^T ring alike.
+constexpr int smem_alloc(int stages) { return kQBytes + stages * kStageBytes + 1024; }
+static_assert(kKRopeOff % 1024 == 0 && kVRawOff % 1024 == 0 && kVtOff % 1024 == 0 &&
+              kStageBytes % 1024 == 0 && kQBytes % 1024 == 0);
+static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt-in");
+
+// Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
+// the producer drops to 56 and the consumers rise to 224: 128 x 56 + 256 x 224 = 64512, the
+// registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
+// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state. The producer's V
+// transposers hold 4 loaded words, 4 halfway and 4 transposed per 4x4 block.
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 - 1024);
+
+// TMA views of the inputs, each 3-D [rows][heads][width] (innermost first: width, heads,
+// rows) with a box of width x 1 x 128 rows. q is viewed twice (dims 0-127 in SW128, 128-191
+// in SW64). A __grid_constant__ kernel parameter: 5 x 128 bytes.
+struct Fp8Maps {
+  CUtensorMap q_nope, q_rope, k_nope, k_rope, v;
+};
+
+#if KMLA_SM90A
+
+using sm90::fence_proxy_async;
+using sm90::fence_regs;
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
+using sm90::smem_u32;
+using sm90::tma_load_3d;
+using sm90::wgmma_commit;
+using sm90::wgmma_fence;
+using sm90::wgmma_wait;
+
+// K-major operand descriptors. SW128: rows of 128 bytes, 8-row groups 1024 bytes apart.
+// SW64 (swizzle mode 2): rows of 64 bytes, 8-row groups 512 bytes apart. A k-step of 32 e4m3
+// elements is 32 bytes along the row in either.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return sm90::make_desc(addr, 16, 1024);
+}
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(512 >> 4) << 32) |
+         (uint64_t(2) << 62);
+}
+
+#define KMLA_FP8_D64                                                                       \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
+  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define KMLA_FP8_ACC8(i)                                                                     \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KMLA_FP8_ACC64                                                                          \
+  KMLA_FP8_ACC8(0), KMLA_FP8_ACC8(8), KMLA_FP8_ACC8(16), KMLA_FP8_ACC8(24), KMLA_FP8_ACC8(32), \
+      KMLA_FP8_ACC8(40), KMLA_FP8_ACC8(48), KMLA_FP8_ACC8(56)
+
+// d (64 x 128 fp32) = (accumulate ? d : 0) + A (64 x 32 e4m3, smem) B^T (B: 128 x 32 e4m3,
+// smem), both K-major (8-bit wgmma has no transpose).
+__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                              bool accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
+      ", %64, %65, p, 1, 1;\n}\n"
+      : KMLA_FP8_ACC64
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+}
+// d (64 x 128 fp32) += A (64 x 32 e4m3 in registers: per warp the m16n8k32 8-bit A fragment,
+// a[0] = row g, k 4t..4t+3; a[1] = row g+8, same k; a[2], a[3] = the same rows, k + 16) B^T
+// (B: 128 x 32 e4m3, smem, K-major).
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
+                                              uint64_t desc_b) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : KMLA_FP8_ACC64
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+#undef KMLA_FP8_ACC64
+#undef KMLA_FP8_ACC8
+#undef KMLA_FP8_D64
+
+// Four fp32 values as e4m3 codes (round to nearest even, saturating), b0 in the low byte.
+__device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n"
+      " cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      " cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      " mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+  return r;
+}
+
+// The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
+// half), 2^x of both by one MUFU op, their f16x2 sum, and four f16 values as e4m3 codes.
+__device__ __forceinline__ uint32_t f16x2_from(float a, float b) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t ex2_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float sum_f16x2(uint32_t x) {
+  float r;
+  asm("{\n .reg .b16 lo, hi;\n .reg .f32 a, b;\n mov.b32 {lo, hi}, %1;\n"
+      " cvt.f32.f16 a, lo;\n cvt.f32.f16 b, hi;\n add.f32 %0, a, b;\n}\n"
+      : "=f"(r)
+      : "r"(x));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x4_f16(uint32_t lo_pair, uint32_t hi_pair) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n"
+      " cvt.rn.satfinite.e4m3x2.f16x2 lo, %1;\n"
+      " cvt.rn.satfinite.e4m3x2.f16x2 hi, %2;\n"
+      " mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "r"(lo_pair), "r"(hi_pair));
+  return r;
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// The partial-tile path: one warp copies 128 rows of 128 (SW128) or 64 (SW64) bytes with
+// cp.async; rows >= valid are zero-filled without being read (src-size 0), so neither the
+// next sequence's rows nor NaN padding reach an MMA. Rolled loops: 56 registers, rare path.
+__device__ __forceinline__ void warp_copy_sw128(uint32_t panel, const uint8_t* src,
+                                                int64_t row_stride, int valid, int lane) {
+#pragma unroll 1
+  for (int x = lane; x < 128 * 8; x += 32) {
+    const int r = x >> 3, c = x & 7;
+    const bool ok = r < valid;  // a missing row reads nothing, from a valid address
+    cp_async16(panel + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + r * row_stride + 16 * c : src,
+               ok);
+  }
+}
+__device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* src,
+                                               int64_t row_stride, int valid, int lane) {
+#pragma unroll 1
+  for (int x = lane; x < 128 * 4; x += 32) {
+    const int r = x >> 2, c = x & 3;
+    const bool ok = r < valid;
+    cp_async16(panel + r * 64 + ((c ^ ((r >> 1) & 3)) << 4), ok ? src + r * row_stride + 16 * c : src,
+               ok);
+  }
+}
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// V tile [128 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][128 key slots] (SW128),
+// by one of the two transposer warps (tw = 0, 1). The key slots are relabelled so that P's
+// accumulator registers are the A fragment as they stand: within each 32-key k-step, slot
+// 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for the second
+// 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are keys
+// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2): a thread loads that word's 4
+// key rows at 4 dims (one 32-bit load each), transposes the 4x4 bytes with byte permutes and
+// stores 4 words, one per dim row.
+// Lanes: t = lane & 3, a = lane >> 2; dim group c = a + 8 cc (dims 4c..4c+3), word group
+// w >> 2 = wq ^ (a >> 1). Loads: the bank is chunk ((c >> 2) ^ (2t + (i & 1))), word c & 3,
+// distinct over the 32 lanes. Stores: chunk ((w >> 2) ^ (4 (a & 1) + b)), word t, distinct
+// too, thanks to the XOR of the word group with a >> 1. So no bank conflicts either way.
+// Per thread and tile: 16 blocks of 4 loads, 8 permutes, 4 stores.
+__device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
+  const int t = lane & 3, a = lane >> 2;
+#pragma unroll 2
+  for (int blk = 0; blk < 16; ++blk) {
+    const int c = a + 8 * (2 * tw + (blk >> 3));
+    const int wq = (blk & 7) ^ (a >> 1);  // word group = 16-key half of a k-step
+    const int key0 = 16 * wq + 2 * t;
+    uint32_t x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = key0 + (i & 1) + 8 * (i >> 1);
+      x[i] = lds32(vraw + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4);
+    }
+    const uint32_t lo01 = __byte_perm(x[0], x[1], 0x5140), hi01 = __byte_perm(x[0], x[1], 0x7362);
+    const uint32_t lo23 = __byte_perm(x[2], x[3], 0x5140), hi23 = __byte_perm(x[2], x[3], 0x7362);
+    const uint32_t y[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+    const int w = 4 * wq + t;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int d = 4 * c + b;
+      sts32(vt + d * 128 + (((w >> 2) ^ (d & 7)) << 4) + (w & 3) * 4, y[b]);
+    }
+  }
+}
+
+__device__ __forceinline__ int visible_keys(int row, int n, int m, bool causal) {
+  return causal ? min(max(m - n + row + 1, 0), m) : m;
+}
+
+template <int kId>
+__device__ __forceinline__ void turn_wait() {
+  asm volatile("bar.sync %0, 256;\n" ::"n"(kId) : "memory");
+}
+template <int kId>
+__device__ __forceinline__ void turn_pass() {
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
+}
+
+#endif  // KMLA_SM90A
+
+// ---- the kernel -----------------------------------------------------------------------
+// Grid (blocks_per_head x heads, sequences). Linear index x within a sequence -> (head, rank):
+// heads in groups of head_group, inside a group ranks slowest and heads fastest, rank r taking
+// query block num_blocks - 1 - r, so the longest causal blocks start first (LPT) while the
+// CTAs in flight share the K/V of ~head_group heads in L2. head_group 0: head-major.
+//
+// Warpgroup 0, the producer (56 registers), one job per warp:
+//   warp 0: Q once (TMA, 2 boxes), then K tiles (TMA nope + rope) into the K ring;
+//   warp 1: V tiles as stored (TMA, 1 box) into the raw V ring;
+//   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v).
+//   A box that would run past its sequence (the last Q block or key tile) is copied by the
+//   warp's 32 lanes with cp.async instead, zero-filling the missing rows.
+// Warpgroups 1 and 2, the consumers (224 registers): query rows 64 (w - 1) .. of the block.
+//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
+//   tiles that cross the diagonal or the sequence end, online softmax in base 2, P packed to
+//   e4m3 in registers, O += P V (4 wgmma with P from registers, V^T from smem). S of tile j
+//   is issued together with P.V of tile j - 1 and the softmax of tile j runs under that P.V;
+//   O's rescale for tile j runs under S of tile j + 1. With pingpong the two consumers also
+//   take turns issuing (named barriers 1, 2), so one's softmax overlaps the other's GEMMs.
+//
+// mbarriers (phase parity of use u of a ring slot: u & 1):
+//   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
+//   vr_full[s] (1 + bytes) / vr_empty[s] (2 transposer warps);
+//   vt_full[s] (2 transposer warps) / vt_empty[s] (8 consumer warps).
+//
+// kExp16: the exponentials in f16x2 (one MUFU op per two scores instead of one per score, the
+// softmax's bottleneck pipe): the exponent fmaf(s, scale, 8 - max) is rounded to f16 (2^-11
+// relative, 2^-6 absolute at |x| >= 16: an error in p of at most 2^-7 relative where p < 2^-8,
+// 2^-9.5 elsewhere, all under the e4m3 rounding of P that follows), P is packed from the f16
+// values, and l adds per tile the f16x2 sums of 16 values <= 256 (2^-11 relative per add).
+template <class T, int kStages, bool kExp16>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
+                            int blocks_per_head, int head_group, bool pingpong) {
+#if KMLA_SM90A
+  __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
+  __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
+  __shared__ __align__(8) uint64_t vt_full[kStages], vt_empty[kStages];
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
+  auto stage = [&](int j) { return base + kQBytes + (j % kStages) * kStageBytes; };
+  auto use_parity = [](int j) { return uint32_t((j / kStages) & 1); };
+
+  // Which (head, query block) this CTA computes.
+  const int nb = blocks_per_head, lin = int(blockIdx.x);
+  int head, rank;
+  if (head_group > 0) {
+    const int first = lin / (head_group * nb) * head_group;
+    const int group_heads = min(head_group, p.heads - first);
+    const int r = lin - first * nb;
+    head = first + r % group_heads;
+    rank = r / group_heads;
+  } else {
+    head = lin / nb;
+    rank = lin % nb;
+  }
+  const int seq = int(blockIdx.y);
+  const int q_begin = p.cu_q[seq], n = p.cu_q[seq + 1] - q_begin;
+  const int k_begin = p.cu_k[seq], m = p.cu_k[seq + 1] - k_begin;
+  const int block = (n + kBlockM - 1) / kBlockM - 1 - rank;
+  if (block < 0) return;  // the whole CTA: past this sequence's queries
+  const bool causal = p.causal;
+  const int q0 = block * kBlockM;
+  const int num_tiles =
+      (visible_keys(min(q0 + kBlockM, n) - 1, n, m, causal) + kBlockN - 1) / kBlockN;
+
+  const int tid = int(threadIdx.x), wg = tid / 128, wtid = tid & 127;
+  const int warp = wtid / 32, lane = tid & 31;
+  if (tid == 0) {
+    mbar_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&k_empty[s], 8);
+      mbar_init(&vr_full[s], 1);
+      mbar_init(&vr_empty[s], 2);
+      mbar_init(&vt_full[s], 2);
+      mbar_init(&vt_empty[s], 8);
+    }
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (num_tiles == 0) return;
+    if (warp == 0) {
+      // Q, then the K ring.
+      const int q_valid = n - q0;
+      if (q_valid >= kBlockM) {
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&q_full, kQBytes);
+          tma_load_3d(q_nope_s, &maps.q_nope, 0, head, q_begin + q0, &q_full);
+          tma_load_3d(q_rope_s, &maps.q_rope, 0, head, q_begin + q0, &q_full);
+        }
+      } else {
+        const uint8_t* src = static_cast<const uint8_t*>(p.q.ptr) +
+                             int64_t(q_begin + q0) * p.q.row_stride + int64_t(head) * p.q.head_stride;
+        warp_copy_sw128(q_nope_s, src, p.q.row_stride, q_valid, lane);
+        warp_copy_sw64(q_rope_s, src + kNope, p.q.row_stride, q_valid, lane);
+        cp_async_commit_wait_all();
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&q_full);
+      }
+      const int rope_head = p.k_rope.head_stride == 0 ? 0 : head;
+#pragma unroll 1
+      for (int j = 0; j < num_tiles; ++j) {
+        const int s = j % kStages, key0 = j * kBlockN, rows = m - key0;
+        const uint32_t st = stage(j);
+        if (j >= kStages) mbar_wait(&k_empty[s], use_parity(j) ^ 1u);
+        if (rows >= kBlockN) {
+          if (lane == 0) {
+            mbar_arrive_expect_tx(&k_full[s], kKBytes);
+            tma_load_3d(st + kKNopeOff, &maps.k_nope, 0, head, k_begin + key0, &k_full[s]);
+            tma_load_3d(st + kKRopeOff, &maps.k_rope, 0, rope_head, k_begin + key0, &k_full[s]);
+          }
+        } else {
+          const uint8_t* nope = static_cast<const uint8_t*>(p.k_nope.ptr) +
+                                int64_t(k_begin + key0) * p.k_nope.row_stride +
+                                int64_t(head) * p.k_nope.head_stride;
+          const uint8_t* rope = static_cast<const uint8_t*>(p.k_rope.ptr) +
+                                int64_t(k_begin + key0) * p.k_rope.row_stride +
+                                int64_t(head) * p.k_rope.head_stride;
+          warp_copy_sw128(st + kKNopeOff, nope, p.k_nope.row_stride, rows, lane);
+          warp_copy_sw64(st + kKRopeOff, rope, p.k_rope.row_stride, rows, lane);
+          cp_async_commit_wait_all();
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&k_full[s]);
+        }
+      }
+    } else if (warp == 1) {
+      // The raw V ring.
+#pragma unroll 1
+      for (int j = 0; j < num_tiles; ++j) {
+        const int s = j % kStages, key0 = j * kBlockN, rows = m - key0;
+        const uint32_t dst = stage(j) + kVRawOff;
+        if (j >= kStages) mbar_wait(&vr_empty[s], use_parity(j) ^ 1u);
+        if (rows >= kBlockN) {
+          if (lane == 0) {
+            mbar_arrive_expect_tx(&vr_full[s], kVBytes);
+            tma_load_3d(dst, &maps.v, 0, head, k_begin + key0, &vr_full[s]);
+          }
+        } else {
+          const uint8_t* src = static_cast<const uint8_t*>(p.v.ptr) +
+                               int64_t(k_begin + key0) * p.v.row_stride +
+                               int64_t(head) * p.v.head_stride;
+          warp_copy_sw128(dst, src, p.v.row_stride, rows, lane);
+          cp_async_commit_wait_all();
+          // Read back by the transposers through the generic proxy: the mbarrier's
+          // release / acquire orders it, no proxy fence needed.
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&vr_full[s]);
+        }
+      }
+    } else {
+      // Transposers: raw V of tile j -> V^T, once the consumers are done with V^T of j - 2.
+      const int tw = warp - 2;
+#pragma unroll 1
+      for (int j = 0; j < num_tiles; ++j) {
+        const int s = j % kStages;
+        const uint32_t st = stage(j);
+        mbar_wait(&vr_full[s], use_parity(j));
+        if (j >= kStages) mbar_wait(&vt_empty[s], use_parity(j) ^ 1u);
+        transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
+        // Every load has returned (the stores used them): the raw slot may be refilled. And
+        // the stores go to the async proxy (wgmma) through this thread's fence.
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+          mbar_arrive(&vr_empty[s]);
+          mbar_arrive(&vt_full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int cw = wg - 1;
+  const int g = lane >> 2, t = lane & 3;
+  const float scale_log2 = p.softmax_scale * __ldg(p.q_scale) * __ldg(p.k_scale) * 1.4426950408889634f;
+  // Tiles holding a key that some row of consumer c sees: a prefix of the CTA's tiles.
+  auto tiles_of = [&](int c) {
+    const int first = q0 + 64 * c;
+    if (first >= n) return 0;
+    return (visible_keys(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN;
+  };
+  const int my_tiles = tiles_of(cw);
+  const int wg_first = q0 + 64 * cw;
+  const int min_visible = visible_keys(wg_first, n, m, causal);  // fewest keys any row sees
+  const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+  const int limit[2] = {visible_keys(row0, n, m, causal), visible_keys(row0 + 8, n, m, causal)};
+  const uint32_t q_nope_wg = q_nope_s + cw * 64 * 128, q_rope_wg = q_rope_s + cw * 64 * 64;
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float sc[64];
+  uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
+  uint32_t pa[4][4];
+  float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
+  float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
+  float corr[2] = {1.f, 1.f};
+
+  auto issue_s = [&](int j) {
+    const uint32_t st = stage(j);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
+                    kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int j) {
+    const uint32_t vt = stage(j) + kVtOff;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
+    wgmma_commit();
+  };
+  // Mask + online softmax of tile j on sc; p is kept as 256 p (the + 8 in the exponent).
+  // Returns whether some row of the warp moved its max (O then needs corr).
+  auto softmax = [&](int j) {
+    const int key0 = j * kBlockN;
+    if (key0 + kBlockN > min_visible) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key0 + 8 * i + 2 * t + (e & 1) >= limit[e >> 1]) sc[4 * i + e] = -INFINITY;
+    }
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // No visible key yet: max stays -inf and the offset 0 keeps p = 0 rather than NaN.
+      const float off = mx == -INFINITY ? 0.f : mx * scale_log2;
+      corr[h] = fast_exp2(row_max[h] * scale_log2 - off);
+      moved |= mx != row_max[h];
+      row_max[h] = mx;
+      const float off8 = 8.f - off;
+      float sum = 0.f;
+      if constexpr (kExp16) {
+        uint32_t sum2 = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
+                                                  fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
+          ph[2 * i + h] = e;
+          sum2 = add_f16x2(sum2, e);
+        }
+        sum = sum_f16x2(sum2);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
+          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
+          sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
+        }
+      }
+      row_sum[h] = row_sum[h] * corr[h] + sum;
+    }
+    return __any_sync(0xffffffffu, moved);
+  };
+  auto rescale_o = [&] {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      o[4 * i + 0] *= corr[0];
+      o[4 * i + 1] *= corr[0];
+      o[4 * i + 2] *= corr[1];
+      o[4 * i + 3] *= corr[1];
+    }
+  };
+  // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
+  // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
+  auto pack_p = [&] {
+    if constexpr (kExp16) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t* q = ph + 8 * kk;
+        pa[kk][0] = e4m3x4_f16(q[0], q[2]);
+        pa[kk][1] = e4m3x4_f16(q[1], q[3]);
+        pa[kk][2] = e4m3x4_f16(q[4], q[6]);
+        pa[kk][3] = e4m3x4_f16(q[5], q[7]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const float* s = sc + 16 * kk;
+        pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+        pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+        pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+        pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
+      }
+    }
+  };
+
+  // Ping-pong turns over "slots": S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1). Only
+  // the first min(T0, T1) + 1 slots alternate (both consumers compute the same count), so each
+  // bar.sync meets exactly one bar.arrive: consumer 0 waits on barrier 1 and passes barrier 2,
+  // consumer 1 the reverse; consumer 1 opens with a pass on 1 and skips its last pass.
+  int turns = 0;
+  if (pingpong) {
+    const int t0 = tiles_of(0), t1 = tiles_of(1);
+    turns = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
+  }
+  auto slot_begin = [&](int slot) {
+    if (slot < turns) {
+      if (cw == 0) turn_wait<1>();
+      else turn_wait<2>();
+    }
+  };
+  auto slot_end = [&](int slot) {
+    if (slot < turns) {
+      if (cw == 0) turn_pass<2>();
+      else if (slot + 1 < turns) turn_pass<1>();
+    }
+  };
+  if (cw == 1 && turns > 0) turn_pass<1>();
+
+  if (my_tiles > 0) {
+    mbar_wait(&q_full, 0);
+    mbar_wait(&k_full[0], 0);
+    slot_begin(0);
+    wgmma_fence();
+    issue_s(0);
+    slot_end(0);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    release(&k_empty[0]);
+    softmax(0);  // O is still zero: no rescale owed
+    pack_p();
+    bool owe = false;  // O still needs corr of the last softmax
+    for (int j = 1; j < my_tiles; ++j) {
+      const int s = j % kStages, sp = (j - 1) % kStages;
+      mbar_wait(&k_full[s], use_parity(j));
+      mbar_wait(&vt_full[sp], use_parity(j - 1));
+      fence_regs(o);
+      slot_begin(j);
+      wgmma_fence();
+      issue_s(j);
+      fence_regs(o);  // the multiplies below come after the S issue
+      if (owe) rescale_o();
+      fence_regs(o);
+      wgmma_fence();
+      issue_pv(j - 1);
+      slot_end(j);
+      wgmma_wait<1>();  // S(j) done (groups retire in order)
+      fence_regs(sc);
+      release(&k_empty[s]);
+      owe = softmax(j);
+      wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
+      fence_regs(o);
+      release(&vt_empty[sp]);
+      pack_p();
+    }
+    const int last = my_tiles - 1;
+    mbar_wait(&vt_full[last % kStages], use_parity(last));
+    fence_regs(o);
+    slot_begin(my_tiles);
+    if (owe) rescale_o();
+    fence_regs(o);
+    wgmma_fence();
+    issue_pv(last);
+    slot_end(my_tiles);
+    wgmma_wait<0>();
+    fence_regs(o);
+    release(&vt_empty[last % kStages]);
+  }
+  // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
+  for (int j = my_tiles; j < num_tiles; ++j) {
+    const int s = j % kStages;
+    mbar_wait(&k_full[s], use_parity(j));
+    release(&k_empty[s]);
+    mbar_wait(&vt_full[s], use_parity(j));
+    release(&vt_empty[s]);
+  }
+
+  // Epilogue: out = O * scale_v / (256 l), rounded once; lse = ln(l) + scale * max.
+  if (wg_first >= n) return;
+  const float v_scale = __ldg(p.v_scale);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (row >= n) continue;
+    const bool any = l > 0.f;
+    const float f = any ? v_scale / l : 0.f;
+    const int64_t grow = int64_t(q_begin) + row;
+    T* out = static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
+          pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
+    if (t == 0)
+      p.lse[grow * p.lse_row_stride + head] =
+          any ? (row_max[h] * scale_log2 + log2f(l) - 8.f) * 0.69314718055994531f : -INFINITY;
+  }
+#else
+  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong;
+#endif
+}
+
+// ---- building-block probe ----------------------------------------------------------------
+// One CTA of 128 threads, no pipeline: q [64, 192], k [128, 192] and v [128, 128] (dense e4m3
+// rows) go through the partial-tile copies into the kernel's smem layouts (warps 0, 1, 2),
+// warps 0-1 transpose V as the producer does, then one warpgroup computes s_out = q k^T
+// [64, 128] fp32 (both panels' descriptors, the accumulator layout) and o_out = e4m3(s_out) v
+// [64, 128] fp32 (the relabelled P fragment against V^T). For the tests' diagnosis of a
+// layout mistake apart from the pipeline.
+__global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
+                                                                const uint8_t* v, float* s_out,
+                                                                float* o_out) {
+#if KMLA_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes, st = base + kQBytes;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid & 31;
+  if (warp == 0) {
+    warp_copy_sw128(q_nope_s, q, 192, 64, lane);
+    warp_copy_sw64(q_rope_s, q + kNope, 192, 64, lane);
+  } else if (warp == 1) {
+    warp_copy_sw128(st + kKNopeOff, k, 192, 128, lane);
+    warp_copy_sw64(st + kKRopeOff, k + kNope, 192, 128, lane);
+  } else if (warp == 2) {
+    warp_copy_sw128(st + kVRawOff, v, 128, 128, lane);
+  }
+  cp_async_commit_wait_all();
+  __syncthreads();
+  if (warp < 2) transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
+  fence_proxy_async();
+  __syncthreads();
+
+  float sc[64];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_e4m3_ss(sc, desc_sw128(q_nope_s + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk)
+    wgmma_e4m3_ss(sc, desc_sw64(q_rope_s + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(sc);
+  const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
+  uint32_t pa[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const float* s = sc + 16 * kk;
+    pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+    pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+    pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+    pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
+  }
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  fence_regs(o);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(st + kVtOff + 32 * kk));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
+#else
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out;
+#endif
+}
+
+// Whether `device` runs the kernel: compute capability 9.x and sm_90a code in this binary.
+bool fp8_kernel_runs_on(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= kMaxDevices) return false;
+  int v = known[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    bool ok = major == 9;
+    if (ok) {
+      cudaFuncAttributes attr{};
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_fp8_sm90_kernel<bf16, 2, false>));
+      ok = attr.binaryVersion >= 90;
+    }
+    v = ok ? 2 : 1;
+    known[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* sym = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &sym, 12000,
+                                                     cudaEnableDefault, &status));
+    KMLA_CHECK(status == cudaDriverEntryPointSuccess && sym != nullptr,
+               "prefill fp8: cuTensorMapEncodeTiled not found in the driver (status ", int(status),
+               ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(sym);
+  }();
+  return fn;
+}
+
+// [rows][heads][width] bytes of `o` starting `col` bytes into each row, a box of width x 1 x
+// 128 rows with the swizzle that matches width (128: SW128, 64: SW64). Heads extent 1 for a
+// shared operand. The rows extent is 2^31: the kernel only asks for boxes inside a sequence.
+void encode_map(CUtensorMap* map, const Operand& o, int col, int width, int heads,
+                const char* name) {
+  const bool shared = o.head_stride == 0;
+  const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
+                              cuuint64_t(1) << 31};
+  const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride),
+                                 cuuint64_t(o.row_stride)};
+  const cuuint32_t box[3] = {cuuint32_t(width), 1, cuuint32_t(kBlockN)};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(
+      map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
+      const_cast<uint8_t*>(static_cast<const uint8_t*>(o.ptr) + col), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE,
+      width == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  KMLA_CHECK(r == CUDA_SUCCESS, "prefill fp8: cuTensorMapEncodeTiled failed for ", name,
+             " (CUresult ", int(r), ", row_stride ", o.row_stride, ", head_stride ", o.head_stride,
+             ")");
+}
+
+}  // namespace
+
+bool prefill_fp8_supported() {
+  int device = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  return fp8_kernel_runs_on(device);
+}
+
+void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOptions& opt,
+                                  cudaStream_t stream) {
+  KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
+             "prefill fp8: head_group must be in [0, 128], got ", opt.head_group);
+  Fp8Maps maps;
+  std::memset(&maps, 0, sizeof maps);
+  encode_map(&maps.q_nope, p.q, 0, kNope, p.heads, "q");
+  encode_map(&maps.q_rope, p.q, kNope, kRope, p.heads, "q (rope part)");
+  encode_map(&maps.k_nope, p.k_nope, 0, kNope, p.heads, "k_nope");
+  encode_map(&maps.k_rope, p.k_rope, 0, kRope, p.heads, "k_rope");
+  encode_map(&maps.v, p.v, 0, kVDim, p.heads, "v");
+  KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
+             opt.stages);
+  const int blocks_per_head = int(ceil_div(p.max_q_len, kBlockM));
+  const int head_group = std::min(opt.head_group, p.heads);
+  dispatch_act(p.act, [&]<class T>() {
+    auto* kernel = opt.exp16 ? (opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3, true>
+                                                : prefill_fp8_sm90_kernel<T, 2, true>)
+                             : (opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3, false>
+                                                : prefill_fp8_sm90_kernel<T, 2, false>);
+    const int smem = smem_alloc(opt.stages);
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
+    kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong);
+    KMLA_LAUNCH_CHECK();
+  });
+}
+
+void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
+                       cudaStream_t stream) {
+  constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
+  KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
+  prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
+      static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
+      static_cast<const uint8_t*>(v), s_out, o_out);
+  KMLA_LAUNCH_CHECK();
+}
+
+}  // namespace kmla::cuda
