@@ -1,4 +1,5 @@
 #include "cuda/common.cuh"
+#include "cuda/sm90.cuh"
 
 namespace kmla::cuda {
 
@@ -14,6 +15,19 @@ CacheRef cache_ref(const LatentCache& cache) {
   r.k_scale = cache.k_scale();
   r.tile_rule = cache.codec().tile_rule;
   return r;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                           cudaEnableDefault, &status);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky; clear it
+    const bool found = e == cudaSuccess && status == cudaDriverEntryPointSuccess && f != nullptr;
+    return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f) : nullptr;
+  }();
+  return fn;
 }
 
 }  // namespace kmla::cuda

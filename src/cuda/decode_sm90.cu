@@ -680,21 +680,6 @@ int profile_mode() {
   return mode;
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up
-// on first use; null if the driver lacks it (the kernel then copies with cp.async).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
-                                                           cudaEnableDefault, &status);
-    if (e != cudaSuccess) (void)cudaGetLastError();  // not sticky; clear it
-    const bool found = e == cudaSuccess && status == cudaDriverEntryPointSuccess && f != nullptr;
-    return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f) : nullptr;
-  }();
-  return fn;
-}
-
 // The key-group size of the TMA copies for this cache: the largest of 64, 32, 16, 8 keys that
 // divides the block size (a group then never crosses a block), 0 if none does (cp.async).
 int tma_group_keys(int block_size) {

@@ -47,13 +47,13 @@ constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 constexpr int kQNopeBytes = kBlockM * 128;  // 16384
 constexpr int kQRopeBytes = kBlockM * 64;   // 8192
 constexpr int kQBytes = kQNopeBytes + kQRopeBytes;
-constexpr int kKNopeOff = 0;
+[[maybe_unused]] constexpr int kKNopeOff = 0;
 constexpr int kKRopeOff = kBlockN * 128;          // 16384
 constexpr int kVRawOff = kKRopeOff + kBlockN * 64;  // 24576
 constexpr int kVtOff = kVRawOff + kBlockN * 128;    // 40960
 constexpr int kStageBytes = kVtOff + kVDim * kBlockN;  // 57344
-constexpr int kKBytes = kVRawOff;                   // K nope + rope: 24576
-constexpr int kVBytes = kBlockN * kVDim;            // 16384
+[[maybe_unused]] constexpr int kKBytes = kVRawOff;                   // K nope + rope: 24576
+[[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;            // 16384
 // kStages (a template parameter, 2 or 3) is the depth of the K ring, the raw V ring and the
 // V^T ring alike.
 constexpr int smem_alloc(int stages) { return kQBytes + stages * kStageBytes + 1024; }
@@ -797,20 +797,6 @@ bool fp8_kernel_runs_on(int device) {
   return v == 2;
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* sym = nullptr;
-    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &sym, 12000,
-                                                     cudaEnableDefault, &status));
-    KMLA_CHECK(status == cudaDriverEntryPointSuccess && sym != nullptr,
-               "prefill fp8: cuTensorMapEncodeTiled not found in the driver (status ", int(status),
-               ")");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(sym);
-  }();
-  return fn;
-}
-
 // [rows][heads][width] bytes of `o` starting `col` bytes into each row, a box of width x 1 x
 // 128 rows with the swizzle that matches width (128: SW128, 64: SW64). Heads extent 1 for a
 // shared operand. The rows extent is 2^31: the kernel only asks for boxes inside a sequence.
@@ -823,7 +809,9 @@ void encode_map(CUtensorMap* map, const Operand& o, int col, int width, int head
                                  cuuint64_t(o.row_stride)};
   const cuuint32_t box[3] = {cuuint32_t(width), 1, cuuint32_t(kBlockN)};
   const cuuint32_t unit[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  KMLA_CHECK(encode != nullptr, "prefill fp8: the driver has no cuTensorMapEncodeTiled");
+  const CUresult r = encode(
       map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3,
       const_cast<uint8_t*>(static_cast<const uint8_t*>(o.ptr) + col), dims, strides, box, unit,
       CU_TENSOR_MAP_INTERLEAVE_NONE,

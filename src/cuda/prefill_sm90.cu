@@ -832,21 +832,6 @@ bool sm90_kernel_runs_on(int device) {
   return a == 2;
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link), looked up once.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    KMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
-                                                     cudaEnableDefault, &found));
-    KMLA_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
-               "prefill_attention_sm90: the driver has no cuTensorMapEncodeTiled (status ",
-               int(found), ")");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 // The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one
 // panel's 64 columns x 128 rows, 128-byte swizzle. A shared operand (head_stride 0) gets a
 // heads extent of 1 (the kernel asks for head 0). The row extent is 2^31: the kernel loads
@@ -863,7 +848,9 @@ void encode_operand_map(CUtensorMap* map, const Operand& o, int width, int heads
                                  cuuint64_t(o.row_stride) * 2};
   const cuuint32_t box[3] = {64, 1, kBlockN};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  KMLA_CHECK(encode != nullptr, "prefill_attention_sm90: the driver has no cuTensorMapEncodeTiled");
+  const CUresult r = encode(
       map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       3, const_cast<void*>(o.ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -15,6 +15,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "cuda/common.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -22,6 +25,14 @@
 #else
 #define KMLA_SM90A 0
 #endif
+
+namespace kmla::cuda {
+
+// cuTensorMapEncodeTiled from the driver, looked up once through the runtime (no libcuda link);
+// null if the driver lacks it. Host code, defined in common.cu for every TMA user.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
+
+}  // namespace kmla::cuda
 
 namespace kmla::cuda::sm90 {
 
