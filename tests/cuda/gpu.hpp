@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace kmla::test {
@@ -43,5 +44,12 @@ struct DevBuf {
   // Fills every byte with `byte` (0xFF poisons 16-bit and fp32 buffers with NaN).
   void fill_bytes(int byte) { EXPECT_EQ(cudaMemset(ptr, byte, n * sizeof(T)), cudaSuccess); }
 };
+
+// Sequence start offsets of a varlen batch: {0, l0, l0 + l1, ...} (cu_q / cu_k).
+inline std::vector<int32_t> seq_offsets(const std::vector<int>& lens) {
+  std::vector<int32_t> cu(1, 0);
+  for (int l : lens) cu.push_back(cu.back() + l);
+  return cu;
+}
 
 }  // namespace kmla::test

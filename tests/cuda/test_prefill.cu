@@ -29,6 +29,7 @@ namespace kmla {
 namespace {
 
 using test::DevBuf;
+using test::seq_offsets;
 
 constexpr int kQk = 192, kNope = 128, kRope = 64, kV = 128;
 constexpr int kPadRows =
@@ -131,11 +132,7 @@ void run_case(const Case& c) {
   const std::vector<int>& k_lens = c.k_lens.empty() ? c.q_lens : c.k_lens;
   ASSERT_EQ(k_lens.size(), c.q_lens.size());
   const int num_seqs = int(c.q_lens.size());
-  std::vector<int32_t> cu_q(1, 0), cu_k(1, 0);
-  for (int s = 0; s < num_seqs; ++s) {
-    cu_q.push_back(cu_q.back() + c.q_lens[size_t(s)]);
-    cu_k.push_back(cu_k.back() + k_lens[size_t(s)]);
-  }
+  const std::vector<int32_t> cu_q = seq_offsets(c.q_lens), cu_k = seq_offsets(k_lens);
   const int64_t Tq = cu_q.back(), Tk = cu_k.back();
   const int64_t q_rows = Tq + kPadRows, k_rows = Tk + kPadRows;
 
