@@ -8,7 +8,9 @@
 // softmax's base-2 scale. P is stored for P.V as e4m3 codes of 256 p (p <= 1 after the running
 // max is subtracted, so 256 p <= 256 < 448, and p down to 2^-14 stays a normal e4m3 number);
 // the row sum l adds the unrounded 256 p, so O / l carries no factor 256 and only v's scale is
-// left for the epilogue.
+// left for the epilogue. With the lazy rescale (the default) the running max may lag a row's
+// true max by up to a factor 2 (kLazyMargin), so p <= 2 and the codes are 128 p instead:
+// still <= 256, and normal down to p = 2^-13.
 //
 // Only the sm_90a compile holds the kernel; other targets compile an empty body.
 #include <cuda.h>  // CUtensorMap, encoded through the runtime's driver entry point
@@ -66,8 +68,11 @@ static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt
 // registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
 // of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state. The producer's V
 // transposers hold 4 loaded words, 4 halfway and 4 transposed per 4x4 block.
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 72;
+// Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
+// before O and l are rescaled to it.
+constexpr float kLazyMargin = 1.f;
+constexpr int kConsumerRegs = 216;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 - 1024);
 
 // TMA views of the inputs, each 3-D [rows][heads][width] (innermost first: width, heads,
@@ -269,6 +274,71 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
   }
 }
 
+// The same transpose with ldmatrix.trans / stmatrix (the default; transpose_v above is the
+// KMLA_PREFILL_FP8_LDSM=0 variant): a quarter of the shared-memory instructions (one x4
+// instruction moves 512 bytes, where an LDS.32 moves 128) and four loads in flight per thread
+// instead of one block's, so the transposers' throughput no longer hangs on shared-memory
+// latency. Warp tw takes dims 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys:
+// 16 instructions of each kind per thread and tile, 64 byte permutes.
+//   Load n (word group wq = n >> 1, chunks c0 = 4 tw + 2 (n & 1), c0 + 1): four 8x8 b16
+//   matrices, keys 16 wq + {0..7, 8..15} of chunk c0, then the same of chunk c0 + 1 (lane l
+//   gives row l & 7 of matrix l >> 3). With .trans, lane (p = l >> 2, t = l & 3) receives of
+//   each matrix keys 2t (low half) and 2t + 1 (high half) at dims 2p, 2p + 1 of the chunk,
+//   byte order [k 2t d 2p, k 2t d 2p+1, k 2t+1 d 2p, k 2t+1 d 2p+1]. Two of them (keys + 0 and
+//   + 8) hold exactly the V^T words of slot word t (keys {2t, 2t+1, 2t+8, 2t+9}) at dims 2p
+//   (bytes 0, 2, 4, 6: prmt 0x6420) and 2p + 1 (bytes 1, 3, 5, 7: 0x7531).
+//   Store n: four 8x8 matrices of V^T rows (16 bytes = word group wq), lanes 4q .. 4q + 3
+//   giving row q's words t = 0..3. Row q of matrix "X" of a chunk is dim 2q for q < 4 and
+//   2q + 1 for q >= 4, of "Y" the other one, so lane p supplies X the even word when p < 4
+//   (a per-lane prmt selector). Then the 8 rows of one matrix have 8 different dim & 7, i.e.
+//   8 different swizzled chunk positions: both the ldmatrix phases (8 consecutive keys, one
+//   chunk) and the stmatrix phases are free of bank conflicts.
+__device__ __forceinline__ void ldsm4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void stsm4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                      uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+constexpr int kLdsmBatch = 8;
+__device__ __forceinline__ void transpose_v_ldsm(uint32_t vraw, uint32_t vt, int tw, int lane) {
+  const int q = lane & 7, m = lane >> 3, p = lane >> 2;
+  // This lane's load row: key 16 wq + 8 (m & 1) + q of chunk c0 + (m >> 1); key & 7 = q.
+  uint32_t ld[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int chunk = 4 * tw + 2 * h + (m >> 1);
+    ld[h] = vraw + (8 * (m & 1) + q) * 128 + ((chunk ^ q) << 4);
+  }
+  // This lane's store row: dim 16 chunk + 2q + odd, odd = (q >= 4) ^ (m & 1) (X: m even).
+  const int odd = int(q >= 4) ^ (m & 1), e = (2 * q + odd) & 7;
+  uint32_t st[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int chunk = 4 * tw + 2 * h + (m >> 1);
+    st[h] = vt + (16 * chunk + 2 * q + odd) * 128;
+  }
+  const uint32_t sel_x = p < 4 ? 0x6420u : 0x7531u, sel_y = sel_x ^ 0x1111u;
+#pragma unroll
+  for (int wq0 = 0; wq0 < 8; wq0 += kLdsmBatch / 2) {
+    uint32_t r[kLdsmBatch][4];  // loads of (wq0, h = 0), (wq0, 1), (wq0 + 1, 0), ...
+#pragma unroll
+    for (int n = 0; n < kLdsmBatch; ++n) ldsm4_trans(ld[n & 1] + (wq0 + (n >> 1)) * 2048, r[n]);
+#pragma unroll
+    for (int n = 0; n < kLdsmBatch; ++n) {
+      const int wq = wq0 + (n >> 1);
+      const uint32_t col = uint32_t((wq ^ e) << 4);
+      stsm4(st[n & 1] + col, __byte_perm(r[n][0], r[n][1], sel_x),
+            __byte_perm(r[n][0], r[n][1], sel_y), __byte_perm(r[n][2], r[n][3], sel_x),
+            __byte_perm(r[n][2], r[n][3], sel_y));
+    }
+  }
+}
+
 __device__ __forceinline__ int visible_keys(int row, int n, int m, bool causal) {
   return causal ? min(max(m - n + row + 1, 0), m) : m;
 }
@@ -317,7 +387,8 @@ __device__ __forceinline__ void turn_pass() {
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
-                            int blocks_per_head, int head_group, bool pingpong) {
+                            int blocks_per_head, int head_group, bool pingpong, bool ldsm,
+                            bool lazy) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
@@ -450,7 +521,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = stage(j);
         mbar_wait(&vr_full[s], use_parity(j));
         if (j >= kStages) mbar_wait(&vt_empty[s], use_parity(j) ^ 1u);
-        transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
+        if (ldsm)
+          transpose_v_ldsm(st + kVRawOff, st + kVtOff, tw, lane);
+        else
+          transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
         // Every load has returned (the stores used them): the raw slot may be refilled. And
         // the stores go to the async proxy (wgmma) through this thread's fence.
         fence_proxy_async();
@@ -469,6 +543,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1;
   const int g = lane >> 2, t = lane & 3;
   const float scale_log2 = p.softmax_scale * __ldg(p.q_scale) * __ldg(p.k_scale) * 1.4426950408889634f;
+  // P's e4m3 codes are 2^p_exp p: 256 p (p <= 1) with the exact max, 128 p (p <= 2, the
+  // margin) with the lazy one; either way at most 256 < 448, the largest e4m3 value.
+  const float p_exp = lazy ? 8.f - kLazyMargin : 8.f;
   // Tiles holding a key that some row of consumer c sees: a prefix of the CTA's tiles.
   auto tiles_of = [&](int c) {
     const int first = q0 + 64 * c;
@@ -513,8 +590,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
     wgmma_commit();
   };
-  // Mask + online softmax of tile j on sc; p is kept as 256 p (the + 8 in the exponent).
-  // Returns whether some row of the warp moved its max (O then needs corr).
+  // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
+  // exponent). Returns whether some row of the warp moved its max (O then needs corr).
   auto softmax = [&](int j) {
     const int key0 = j * kBlockN;
     if (key0 + kBlockN > min_visible) {
@@ -532,12 +609,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Lazy rescale: keep the old max while the new one is at most kLazyMargin (base 2) above
+      // it. (Both -inf: NaN, the test fails and mx stays -inf; only -inf before: +inf.)
+      if (lazy && (mx - row_max[h]) * scale_log2 <= kLazyMargin) mx = row_max[h];
       // No visible key yet: max stays -inf and the offset 0 keeps p = 0 rather than NaN.
       const float off = mx == -INFINITY ? 0.f : mx * scale_log2;
       corr[h] = fast_exp2(row_max[h] * scale_log2 - off);
       moved |= mx != row_max[h];
       row_max[h] = mx;
-      const float off8 = 8.f - off;
+      const float off8 = p_exp - off;
       float sum = 0.f;
       if constexpr (kExp16) {
         uint32_t sum2 = 0;
@@ -633,7 +713,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 1; j < my_tiles; ++j) {
       const int s = j % kStages, sp = (j - 1) % kStages;
       mbar_wait(&k_full[s], use_parity(j));
-      mbar_wait(&vt_full[sp], use_parity(j - 1));
       fence_regs(o);
       slot_begin(j);
       wgmma_fence();
@@ -641,6 +720,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_regs(o);  // the multiplies below come after the S issue
       if (owe) rescale_o();
       fence_regs(o);
+      // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
+      mbar_wait(&vt_full[sp], use_parity(j - 1));
       wgmma_fence();
       issue_pv(j - 1);
       slot_end(j);
@@ -695,10 +776,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
     if (t == 0)
       p.lse[grow * p.lse_row_stride + head] =
-          any ? (row_max[h] * scale_log2 + log2f(l) - 8.f) * 0.69314718055994531f : -INFINITY;
+          any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong;
+  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)ldsm,
+      (void)lazy;
 #endif
 }
 
@@ -711,7 +793,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
                                                                 const uint8_t* v, float* s_out,
-                                                                float* o_out) {
+                                                                float* o_out, bool ldsm) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -728,7 +810,12 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   }
   cp_async_commit_wait_all();
   __syncthreads();
-  if (warp < 2) transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
+  if (warp < 2) {
+    if (ldsm)
+      transpose_v_ldsm(st + kVRawOff, st + kVtOff, warp, lane);
+    else
+      transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
+  }
   fence_proxy_async();
   __syncthreads();
 
@@ -772,7 +859,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)q, (void)k, (void)v, (void)s_out, (void)o_out;
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)ldsm;
 #endif
 }
 
@@ -854,19 +941,20 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong);
+    kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
+                                             opt.ldsm_transpose, opt.lazy_rescale);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       cudaStream_t stream) {
+                       bool ldsm_transpose, cudaStream_t stream) {
   constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
   KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
   prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
       static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
-      static_cast<const uint8_t*>(v), s_out, o_out);
+      static_cast<const uint8_t*>(v), s_out, o_out, ldsm_transpose);
   KMLA_LAUNCH_CHECK();
 }
 

@@ -2,9 +2,9 @@
 // against an fp64 CPU reference on the dequantised inputs. Every input buffer is NaN (code
 // 0x7F) wherever it is not an operand element, including rows past the last token, so a load
 // outside a sequence poisons the result; out and lse are poisoned before each run so missing
-// and stray writes are caught. Each case runs the public entry point and five non-default
+// and stray writes are caught. Each case runs the public entry point and eight non-default
 // variants of the kernel (ping-pong, head groups of 3, head-major CTA order, 3 stages, f16x2
-// exponentials).
+// exponentials, the 32-bit V transpose, the rescale at every new max).
 //
 // Two kinds of data:
 // * exact: every query row is one-hot (code 1 at a random one of the 192 dims) and the keys
@@ -244,8 +244,10 @@ void run_case(const Case& c) {
   // * random data: P is rounded to e4m3 (3 mantissa bits: relative error <= 2^-4 for 256 p in
   //   the normal range, p >= 2^-14 at the running max) before P.V, so |error| <= 2^-4 * mag;
   //   below that 256 p is subnormal with absolute error <= 2^-10, i.e. 2^-18 in p, summed over
-  //   at most all keys: 2^-18 * vsum. Then the output's rounding to act (u |out|) and the
-  //   tensor cores' fp8 accumulation (~2^-13 relative, inside the P term's slack).
+  //   at most all keys: 2^-18 * vsum. The lazy rescale (the default) stores 128 p against a max
+  //   that may lag the true one: absolute error 2^-17 in p at most, so 2^-17 * vsum. Then the
+  //   output's rounding to act (u |out|) and the tensor cores' fp8 accumulation (~2^-13
+  //   relative, inside the P term's slack).
   // * exact data: 256 p is exact, so only the accumulation and the output rounding remain:
   //   2^-9 * mag.
   const double ulp1 = c.act == DType::bf16 ? 0x1p-7 : 0x1p-10;
@@ -253,7 +255,7 @@ void run_case(const Case& c) {
     // (+ 2^-7 mag for the f16x2 exponent variants: the f16 exponent's rounding, see the
     // kernel's kExp16 comment; integer exponents of the exact data stay exact.)
     const double p_term =
-        c.exact ? 0x1p-9 * mag[i] : (0x1p-4 + 0x1p-7) * mag[i] + 0x1p-18 * vsum[r];
+        c.exact ? 0x1p-9 * mag[i] : (0x1p-4 + 0x1p-7) * mag[i] + 0x1p-17 * vsum[r];
     return p_term + ulp1 * std::fabs(ref[i]) + 1e-6 * (mag[i] + 1e-30);
   };
 
@@ -267,7 +269,13 @@ void run_case(const Case& c) {
                               {"head-major order, 3 stages", false, {false, 0, 3}},
                               {"pingpong, 3 stages", false, {true, 8, 3}},
                               {"f16x2 exponentials", false, {false, 8, 2, true}},
-                              {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}}};
+                              {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}},
+                              {"32-bit V transpose", false, {false, 8, 2, false, false}},
+                              {"rescale at every new max", false,
+                               {false, 8, 2, false, true, false}},
+                              {"f16x2, pingpong, rescale at every new max, 32-bit V transpose",
+                               false,
+                               {true, 8, 2, true, false, false}}};
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
     d_out.fill_bytes(0xFF);
@@ -454,34 +462,39 @@ TEST(CudaPrefillFp8, ProbeBuildingBlocks) {
   for (auto& x : v) x = float_to_e4m3_sat(float(int(rng.below(9)) - 4));
   DevBuf<uint8_t> dq(q), dk(k), dv(v);
   DevBuf<float> ds(64 * 128), dout(64 * 128);
-  cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<float> s = ds.download(), o = dout.download();
-  int bad_s = 0, bad_o = 0;
-  for (int r = 0; r < 64; ++r)
-    for (int j = 0; j < 128; ++j) {
-      const float want = e4m3_to_float(k[size_t(j * kQk + hot[size_t(r)])]);
-      const float got = s[size_t(r * 128 + j)];
-      if (got != want && ++bad_s <= 8) {
-        // Name the (key, dim) the kernel read, if any reads match a single k element.
-        std::ostringstream m;
-        m << "S row " << r << " key " << j << " (q dim " << hot[size_t(r)] << "): got " << got
-          << " want " << want;
-        ADD_FAILURE() << m.str();
+  for (const bool ldsm : {true, false}) {
+    SCOPED_TRACE(ldsm ? "ldmatrix / stmatrix transpose" : "32-bit transpose");
+    ds.fill_bytes(0xFF);  // NaN: an element the probe did not write fails
+    dout.fill_bytes(0xFF);
+    cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, ldsm, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> s = ds.download(), o = dout.download();
+    int bad_s = 0, bad_o = 0;
+    for (int r = 0; r < 64; ++r)
+      for (int j = 0; j < 128; ++j) {
+        const float want = e4m3_to_float(k[size_t(j * kQk + hot[size_t(r)])]);
+        const float got = s[size_t(r * 128 + j)];
+        if (got != want && ++bad_s <= 8) {
+          // Name the (key, dim) the kernel read, if any reads match a single k element.
+          std::ostringstream m;
+          m << "S row " << r << " key " << j << " (q dim " << hot[size_t(r)] << "): got " << got
+            << " want " << want;
+          ADD_FAILURE() << m.str();
+        }
       }
-    }
-  for (int r = 0; r < 64; ++r)
-    for (int d = 0; d < kV; ++d) {
-      double want = 0;
-      for (int j = 0; j < 128; ++j)
-        want += double(e4m3_to_float(k[size_t(j * kQk + hot[size_t(r)])])) *
-                e4m3_to_float(v[size_t(j * kV + d)]);
-      const float got = o[size_t(r * kV + d)];
-      if (double(got) != want && ++bad_o <= 8)
-        ADD_FAILURE() << "O row " << r << " dim " << d << ": got " << got << " want " << want;
-    }
-  EXPECT_EQ(bad_s, 0) << "S mismatches (Q/K layouts or descriptors)";
-  EXPECT_EQ(bad_o, 0) << "O mismatches (P fragment or V^T layout)";
+    for (int r = 0; r < 64; ++r)
+      for (int d = 0; d < kV; ++d) {
+        double want = 0;
+        for (int j = 0; j < 128; ++j)
+          want += double(e4m3_to_float(k[size_t(j * kQk + hot[size_t(r)])])) *
+                  e4m3_to_float(v[size_t(j * kV + d)]);
+        const float got = o[size_t(r * kV + d)];
+        if (double(got) != want && ++bad_o <= 8)
+          ADD_FAILURE() << "O row " << r << " dim " << d << ": got " << got << " want " << want;
+      }
+    EXPECT_EQ(bad_s, 0) << "S mismatches (Q/K layouts or descriptors)";
+    EXPECT_EQ(bad_o, 0) << "O mismatches (P fragment or V^T layout)";
+  }
 }
 
 // Host-side validation: runs without a GPU (the checks come before any CUDA call).
