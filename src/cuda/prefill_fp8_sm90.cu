@@ -601,41 +601,58 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 4; ++e)
           if (key0 + 8 * i + 2 * t + (e & 1) >= limit[e >> 1]) sc[4 * i + e] = -INFINITY;
     }
+    // Row maxima as balanced trees (5 levels, not a chain of 16 dependent fmaxf), both rows
+    // before their shuffles so that the two rows' latencies overlap.
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m[i] = fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], m[i + 8]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) m[i] = fmaxf(m[i], m[i + 4]);
+      m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
+      mx[h] = fmaxf(row_max[h], m[0]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // Lazy rescale: keep the old max while the new one is at most kLazyMargin (base 2) above
-      // it. (Both -inf: NaN, the test fails and mx stays -inf; only -inf before: +inf.)
-      if (lazy && (mx - row_max[h]) * scale_log2 <= kLazyMargin) mx = row_max[h];
+      // it. (Both -inf: NaN, the test fails and the max stays -inf; only -inf before: +inf.)
+      if (lazy && (mx[h] - row_max[h]) * scale_log2 <= kLazyMargin) mx[h] = row_max[h];
       // No visible key yet: max stays -inf and the offset 0 keeps p = 0 rather than NaN.
-      const float off = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float off = mx[h] == -INFINITY ? 0.f : mx[h] * scale_log2;
       corr[h] = fast_exp2(row_max[h] * scale_log2 - off);
-      moved |= mx != row_max[h];
-      row_max[h] = mx;
+      moved |= mx[h] != row_max[h];
+      row_max[h] = mx[h];
       const float off8 = p_exp - off;
       float sum = 0.f;
       if constexpr (kExp16) {
-        uint32_t sum2 = 0;
+        uint32_t sum2[2] = {0, 0};  // two chains of 8 adds instead of one of 16
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
                                                   fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
           ph[2 * i + h] = e;
-          sum2 = add_f16x2(sum2, e);
+          sum2[i & 1] = add_f16x2(sum2[i & 1], e);
         }
-        sum = sum_f16x2(sum2);
+        sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
       } else {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
           sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
-          sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
+          part[(2 * i) & 3] += sc[4 * i + 2 * h];
+          part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
         }
+        sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
       row_sum[h] = row_sum[h] * corr[h] + sum;
     }
