@@ -351,13 +351,14 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
 // Cost: a merge of S pieces reads S x rows x 2 KB (16 rows, 3 pieces: 96 KB) with
 // 4 rows' loads in flight per thread: a few us of one CTA, at the end of the kernel, which
 // is why long pairs (up to 257 pieces) keep the combine kernel.
-// Shared memory: the piece's dynamic shared memory is free after the barrier; the weights
-// take ROWS x kFusedMaxPiecesCap + ROWS floats (64 rows: 4.3 KB) of it.
+// Shared memory: the piece's dynamic shared memory is free after the barrier; the merge
+// takes 16 x 8 + ROWS x 16 x 4 + ROWS x 4 bytes of it (64 rows: 4.5 KB).
 inline constexpr int kFusedMaxPiecesCap = 16;
 
-// What the merge reads and writes, passed by value: the merge is a real (not inlined)
-// function, compiled once per row tile instead of once per kernel variant (~20 of them),
-// and it runs only in a pair's last CTA, so the call costs nothing that matters.
+// What the merge reads and writes, passed by value. The merge is a real (not inlined)
+// function: it runs only in a pair's last CTA, so the call costs nothing that matters, and
+// the kernels' bodies (the 32 / 64-row ones at their 128-register cap) do not see its
+// code; no kernel gained a spill or a stack frame (ptxas -v, sm_90a).
 struct MergeArgs {
   const float* ws_o;
   const float* ws_lse;
@@ -376,37 +377,44 @@ __device__ __noinline__ void merge_pair(const MergeArgs m) {
   constexpr float kNoKeys = -__builtin_huge_valf();
   const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
   const int S = m.pieces, nr = m.nr;
-  auto part = [&](int row, int s) -> int64_t {
-    return m.balanced ? balanced_partial(m.w0, S, s, ROWS, row)
-                      : m.part0 + int64_t(row) * m.num_splits + s;
-  };
-  float* const weight_s = merge_dyn_s;             // [ROWS][kCap]: exp(lse_s - max)
-  float* const inv_s = merge_dyn_s + ROWS * kCap;  // [ROWS]: 1 / total, 0 for no keys
-  if (tid < nr) {  // one thread per row: its S LSEs (independent loads), weights, LSE
-    float l[kCap];
-    float big = kNoKeys;
+  // Shared: [kCap] int64 partial index of (row 0, piece s), then [ROWS][kCap] weights
+  // exp(lse_s - max), then [ROWS] 1 / total (0 for a row no piece saw a key of).
+  int64_t* const base_s = reinterpret_cast<int64_t*>(merge_dyn_s);
+  float* const weight_s = merge_dyn_s + 2 * kCap;
+  float* const inv_s = weight_s + ROWS * kCap;
+  // Partial (row, s) is at base_s[s] + row * row_step (ws_lse; ws_o times 512).
+  const int row_step = m.balanced ? 1 : m.num_splits;
+  if (tid < S)
+    base_s[tid] = m.balanced ? balanced_partial(m.w0, S, tid, ROWS, 0) : m.part0 + tid;
+  __syncthreads();
+  // LSEs: a thread per (row, piece), kCap lanes per row (max and sum by xor shuffles).
+  for (int first = 0; first < nr; first += nthreads / kCap) {  // uniform
+    const int row = first + tid / kCap, s = tid % kCap;
+    const bool mine = row < nr && s < S;
+    const float l = mine ? __ldcg(m.ws_lse + base_s[s] + int64_t(row) * row_step) : kNoKeys;
+    float big = l;
 #pragma unroll
-    for (int s = 0; s < kCap; ++s) {
-      l[s] = s < S ? __ldcg(m.ws_lse + part(tid, s)) : kNoKeys;
-      big = fmaxf(big, l[s]);
-    }
+    for (int o = kCap / 2; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
     const bool none = big == kNoKeys;  // no piece saw a key: zeros and -inf
-    float total = 0.0f;
+    const float w = none || l == kNoKeys ? 0.0f : expf(l - big);
+    float total = w;
 #pragma unroll
-    for (int s = 0; s < kCap; ++s) {
-      const float w = none || l[s] == kNoKeys ? 0.0f : expf(l[s] - big);
-      weight_s[tid * kCap + s] = w;
-      total += w;
+    for (int o = kCap / 2; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (row < nr) {
+      weight_s[row * kCap + s] = w;
+      if (s == 0) {
+        inv_s[row] = none ? 0.0f : 1.0f / total;
+        m.lse[m.out_row0 + row] = none ? kNoKeys : big + logf(total);
+      }
     }
-    inv_s[tid] = none ? 0.0f : 1.0f / total;
-    m.lse[m.out_row0 + tid] = none ? kNoKeys : big + logf(total);
   }
   __syncthreads();
   // Outputs: float4 column c of row i is item i * 128 + c; kItems items per thread at a
-  // time, so kItems x S independent 16-byte loads are in flight. A piece of weight 0 is
+  // time, 2 pieces per step: 8 independent 16-byte loads in flight. A piece of weight 0 is
   // not read (an empty piece wrote no output: its slot may hold anything).
   constexpr int kItems = 4, kRowF4 = kKvLoraRank / 4;
   const int items = nr * kRowF4;
+  const float4* const o4 = reinterpret_cast<const float4*>(m.ws_o);
   for (int i0 = tid; i0 < items; i0 += nthreads * kItems) {
     float4 acc[kItems];
 #pragma unroll
@@ -419,9 +427,8 @@ __device__ __noinline__ void merge_pair(const MergeArgs m) {
       for (int u = 0; u < kItems; ++u) {
         const int i = i0 + u * nthreads, row = i / kRowF4;
         w[u] = i < items ? weight_s[row * kCap + s] : 0.0f;
-        v[u] = w[u] != 0.0f ? __ldcg(reinterpret_cast<const float4*>(
-                                  m.ws_o + part(row, s) * kKvLoraRank) + i % kRowF4)
-                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const int64_t at = (base_s[s] + int64_t(row) * row_step) * kRowF4 + i % kRowF4;
+        v[u] = w[u] != 0.0f ? __ldcg(o4 + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < kItems; ++u) {

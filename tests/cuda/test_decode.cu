@@ -1077,6 +1077,8 @@ TEST(CudaDecodeFused, OneLongRequestManySplits) {
 // replayed first with every length cut to a third (another batch of the same shape), then
 // with the real ones, which run_case checks.
 void run_in_graph(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+  // The harness's fills ran on the legacy stream, which a non-blocking stream ignores.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph = nullptr;
@@ -1124,7 +1126,8 @@ TEST(CudaDecodeFused, GraphReplayOtherLengths) {
 TEST(CudaDecodeFused, InvariantPlansKeepTheCombine) {
   KMLA_REQUIRE_GPU();
   EXPECT_EQ(plan_decode(4, 12, 1, 9000, false, true).fused_max_pieces, 0);
-  EXPECT_GT(plan_decode(4, 12, 1, 9000, false, false).fused_max_pieces, 0);
+  if (!std::getenv("KMLA_DECODE_FUSED_COMBINE"))  // (unless an A/B run switched it)
+    EXPECT_GT(plan_decode(4, 12, 1, 9000, false, false).fused_max_pieces, 0);
   DecodeCase c;
   c.batch_invariant = true;
   c.heads = 12;
