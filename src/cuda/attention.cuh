@@ -58,13 +58,6 @@ struct DecodePlan {
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
   // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
   bool programmatic_combine = false;
-  // Fused merge: a (request, row tile) pair cut into 2 .. fused_max_pieces pieces is merged
-  // by the split kernel's CTA that finishes its last piece (decode_sched.cuh,
-  // merge_if_last); longer pairs keep the combine kernel. Per-request plans of at most
-  // that many splits then launch no combine kernel. 0 = off; at most 16; never for
-  // batch-invariant plans. KMLA_DECODE_FUSED_COMBINE=0|1 and KMLA_DECODE_FUSED_MAX_PIECES
-  // (plan time) switch it for A/B runs.
-  int fused_max_pieces = 0;
   int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile
@@ -91,8 +84,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
-// KMLA_DECODE_PDL=0|1, KMLA_DECODE_FUSED_COMBINE=0|1, KMLA_DECODE_FUSED_MAX_PIECES=2..16
-// (never for batch-invariant plans).
+// KMLA_DECODE_PDL=0|1 (never for batch-invariant plans).
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false);
 

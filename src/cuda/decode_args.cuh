@@ -32,7 +32,6 @@ struct DecodeArgs {
   float score_scale_log2;  // softmax_scale (* q_scale * k_scale on plain fp8) * log2(e)
   float v_scale;           // k_scale on the plain fp8 cache, else 1
   void* out;               // [rows, heads, 512] T
-  bool act_f16;            // T is f16 (else bf16): for code not templated on T
   float* lse;              // [rows, heads]
   int* error_flag;
   int num_splits;        // per-request schedule: grid splits per request

@@ -51,7 +51,6 @@ constexpr int kPStride = kKeyTile + 8;      // P row stride (elements): 80 B, co
 constexpr int kSPartStride = kKeyTile + 8;
 constexpr int kDepthSteps = kLatentDim / 16 / 4;  // k-steps of S per warp (depth split): 9
 constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
-constexpr int kFusedMaxPiecesDefault = 8;   // DecodePlan::fused_max_pieces (see merge_if_last)
 constexpr int kDsMlaEntryBytes = 656;       // 512 e4m3 | 4 fp32 scales | 64 bf16 rope
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -1659,35 +1658,24 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 //   balanced: ws_o [2 num_workers, rows_per_cta, 512], ws_lse [2 num_workers, rows_per_cta]
 //     (two slots per worker: decode_sched.cuh, balanced_slot), pair table [num_requests *
 //     row tiles]. 264 workers x 16 rows: 17.3 MB; 132 x 64 rows: 34.6 MB, whatever the batch.
-//   fused merge (uses_fused_merge): then a counter per (request, row tile) pair, uint32.
 struct WorkspaceLayout {
-  size_t lse_offset = 0, table_offset = 0, count_offset = 0, bytes = 0;
+  size_t lse_offset = 0, table_offset = 0, bytes = 0;
 };
-// Whether a run of `plan` merges some pairs in the split kernel: not batch invariant, not
-// direct (one split), and per request only when the splits are few enough.
-bool uses_fused_merge(const DecodePlan& plan) {
-  if (plan.fused_max_pieces <= 0 || plan.batch_invariant) return false;
-  return plan.schedule == DecodeSchedule::balanced ||
-         (plan.num_splits > 1 && plan.num_splits <= plan.fused_max_pieces);
-}
 WorkspaceLayout workspace_layout(const DecodePlan& plan, int num_requests, int heads) {
   WorkspaceLayout w;
   const size_t max_rows = size_t(plan.max_query_len) * size_t(heads);
-  const size_t pairs = size_t(num_requests) * size_t(ceil_div(int64_t(max_rows), plan.rows_per_cta));
-  const size_t counts = uses_fused_merge(plan) ? align256(pairs * sizeof(unsigned)) : 0;
   if (plan.schedule == DecodeSchedule::balanced) {
     const size_t rows = size_t(2) * size_t(std::max(plan.num_workers, 0)) * plan.rows_per_cta;
+    const size_t pairs = size_t(num_requests) * size_t(ceil_div(int64_t(max_rows), plan.rows_per_cta));
     w.lse_offset = align256(rows * kKvLoraRank * sizeof(float));
     w.table_offset = w.lse_offset + align256(rows * sizeof(float));
-    w.count_offset = w.table_offset + align256(pairs * sizeof(int2));
-    w.bytes = w.count_offset + counts;
+    w.bytes = w.table_offset + align256(pairs * sizeof(int2));
     return w;
   }
   if (plan.num_splits <= 1 && !plan.batch_invariant) return {};  // direct out / lse
   const size_t items = size_t(num_requests) * max_rows * size_t(plan.num_splits);
   w.lse_offset = align256(items * kKvLoraRank * sizeof(float));
-  w.table_offset = w.count_offset = w.lse_offset + align256(items * sizeof(float));
-  w.bytes = w.count_offset + counts;
+  w.table_offset = w.bytes = w.lse_offset + align256(items * sizeof(float));
   return w;
 }
 
@@ -1836,11 +1824,6 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // kernel. Measured on H200: mixed lengths 327 us without against 358 with, (1, 12, 64K)
   // 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
   plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 0) != 0;
-  // Fused merge of pairs of at most kFusedMaxPiecesDefault pieces (unmeasured: on until
-  // the H200 says otherwise; the tests run both settings).
-  if (env_int("KMLA_DECODE_FUSED_COMBINE", 1) != 0)
-    plan.fused_max_pieces = std::clamp(
-        env_int("KMLA_DECODE_FUSED_MAX_PIECES", kFusedMaxPiecesDefault), 2, kFusedMaxPiecesCap);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }
@@ -1876,9 +1859,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(plan.sched_pair_keys >= 0 && plan.sched_min_keys >= 0 && plan.sched_nosplit_keys >= 0,
              "decode: the plan's scheduler costs must be >= 0, got pair ", plan.sched_pair_keys,
              ", min ", plan.sched_min_keys, ", nosplit ", plan.sched_nosplit_keys, " keys");
-  KMLA_CHECK(plan.fused_max_pieces >= 0 && plan.fused_max_pieces <= kFusedMaxPiecesCap,
-             "decode: plan.fused_max_pieces must be in [0, ", kFusedMaxPiecesCap, "], got ",
-             plan.fused_max_pieces);
   KMLA_CHECK(plan.max_query_len >= 1 && plan.max_query_len <= 128,
              "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
@@ -1929,7 +1909,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.score_scale_log2 = p.softmax_scale * qk_scale * kLog2e;
   a.v_scale = plain_fp8 ? p.cache.k_scale : 1.0f;
   a.out = p.out;
-  a.act_f16 = p.act == DType::f16;
   a.lse = p.lse;
   a.error_flag = p.error_flag;
   a.num_splits = plan.num_splits;
@@ -1949,16 +1928,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
     a.ws_o = reinterpret_cast<float*>(base);
     a.ws_lse = reinterpret_cast<float*>(base + ws.lse_offset);
     if (balanced) a.pair_table = reinterpret_cast<int2*>(base + ws.table_offset);
-  }
-  const bool fused = uses_fused_merge(plan);
-  if (fused) {
-    // The counters start at zero: the caller's workspace holds anything on entry. A
-    // memset node on the caller's stream (graph capturable); the merging CTAs also leave
-    // them at zero.
-    a.fused_max_pieces = plan.fused_max_pieces;
-    a.merge_count = reinterpret_cast<unsigned*>(static_cast<std::byte*>(workspace) + ws.count_offset);
-    KMLA_CUDA_CHECK(cudaMemsetAsync(a.merge_count, 0,
-                                    size_t(b.num_requests) * a.row_tiles * sizeof(unsigned), stream));
   }
 
   // Balanced: one CTA per worker (the workers beyond what the lengths need exit at once).
@@ -1988,10 +1957,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 64, true>(a, grid, smem, stream)
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
-    // Per request with fused merge: every pair was merged in the split kernel. Balanced:
-    // pairs of more than fused_max_pieces pieces may exist (only the device knows), so the
-    // combine runs and skips the merged pairs.
-    if (!a.direct_out && !(fused && !balanced)) {
+    if (!a.direct_out) {
       // Column chunks per row and the form (see the two combine kernels): one warp per
       // (row, chunk) once the rows alone give ~2K warps (128 requests x 12 heads: 1,536
       // rows); more chunks for fewer rows; and for a few rows (one long request: 12 rows,

@@ -65,9 +65,6 @@ struct DecodeWork {
   bool direct = false;     // the tile's only piece: write out / lse, no combine
   int64_t part = 0;        // ws_lse index of local row 0 (ws_o: the same times 512)
   int part_stride = 1;     // ws_lse index step from one local row to the next
-  int pieces = 1;          // pieces of the (request, row tile) pair (per request: splits)
-  int w0 = 0;              // balanced: the worker of the pair's first piece
-  int pair = 0;            // r * row_tiles + row tile: the pair's merge counter
 };
 
 // Keys visible to request-local row `row` (0 for rows past the request): causal rows are
@@ -113,8 +110,6 @@ __device__ inline bool per_request_work(const DecodeArgs& a, DecodeWork& w) {
   w.direct = a.direct_out;
   w.part = (int64_t(w.r) * a.max_rows + w.row0) * a.num_splits + split;
   w.part_stride = a.num_splits;
-  w.pieces = a.num_splits;
-  w.pair = w.r * a.row_tiles + int(blockIdx.x);
   return true;
 }
 
@@ -250,9 +245,6 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
         w.direct = true;
         w.part = 0;
         w.part_stride = 0;
-        w.pieces = 1;
-        w.w0 = st.worker;
-        w.pair = int(pair);
         if (write_table) a.pair_table[pair] = make_int2(st.worker, 1);
         return true;
       }
@@ -269,9 +261,6 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       w.direct = n == 1;
       w.part = balanced_partial(w0, n, s, ROWS, 0);
       w.part_stride = 1;
-      w.pieces = n;
-      w.w0 = w0;
-      w.pair = int(pair);
       if (s == 0 && write_table) a.pair_table[pair] = make_int2(w0, n);
       return true;
     }
@@ -336,154 +325,6 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   return true;
 }
 
-// ---- fused merge ------------------------------------------------------------------------
-// A pair of 2..a.fused_max_pieces pieces needs no combine kernel: the CTA that finishes its
-// last piece merges the pieces' partials and writes out / lse itself. Every CTA of the pair,
-// after writing its partial: each thread fences its stores (device scope), a barrier, and
-// thread 0 adds 1 to the pair's counter (a.merge_count, zeroed by decode_attention's
-// memset on the stream before the kernel). The CTA that sees pieces - 1 is the last; it
-// sets the counter back to 0 (no one else touches it in this launch) and, after a fence,
-// reads all the pieces' partials, its own included, from the workspace through L2
-// (ld.global.cg: this SM's L1 may hold stale lines of a slot written by another SM).
-// No CTA ever waits for another, so the merge cannot deadlock however the grid is
-// scheduled. The merge's arithmetic does not depend on which CTA does it: weights
-// exp(lse_s - max) and the sum over s = 0 .. S-1 in order, so the result is deterministic.
-// Cost: a merge of S pieces reads S x rows x 2 KB (16 rows, 3 pieces: 96 KB) with
-// 4 rows' loads in flight per thread: a few us of one CTA, at the end of the kernel, which
-// is why long pairs (up to 257 pieces) keep the combine kernel.
-// Shared memory: the piece's dynamic shared memory is free after the barrier; the merge
-// takes 16 x 8 + ROWS x 16 x 4 + ROWS x 4 bytes of it (64 rows: 4.5 KB).
-inline constexpr int kFusedMaxPiecesCap = 16;
-
-// What the merge reads and writes, passed by value. The merge is a real (not inlined)
-// function: it runs only in a pair's last CTA, so the call costs nothing that matters, and
-// the kernels' bodies (the 32 / 64-row ones at their 128-register cap) do not see its
-// code; no kernel gained a spill or a stack frame (ptxas -v, sm_90a).
-struct MergeArgs {
-  const float* ws_o;
-  const float* ws_lse;
-  void* out;
-  float* lse;
-  int64_t out_row0;  // out / lse row of local row 0
-  int64_t part0;     // per request: ws_lse index of (row 0, split 0)
-  int nr, pieces, w0, num_splits;
-  bool balanced, act_f16;
-};
-
-template <int ROWS>
-__device__ __noinline__ void merge_pair(const MergeArgs m) {
-  extern __shared__ __align__(16) float merge_dyn_s[];
-  constexpr int kCap = kFusedMaxPiecesCap;
-  constexpr float kNoKeys = -__builtin_huge_valf();
-  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
-  const int S = m.pieces, nr = m.nr;
-  // Shared: [kCap] int64 partial index of (row 0, piece s), then [ROWS][kCap] weights
-  // exp(lse_s - max), then [ROWS] 1 / total (0 for a row no piece saw a key of).
-  int64_t* const base_s = reinterpret_cast<int64_t*>(merge_dyn_s);
-  float* const weight_s = merge_dyn_s + 2 * kCap;
-  float* const inv_s = weight_s + ROWS * kCap;
-  // Partial (row, s) is at base_s[s] + row * row_step (ws_lse; ws_o times 512).
-  const int row_step = m.balanced ? 1 : m.num_splits;
-  if (tid < S)
-    base_s[tid] = m.balanced ? balanced_partial(m.w0, S, tid, ROWS, 0) : m.part0 + tid;
-  __syncthreads();
-  // LSEs: a thread per (row, piece), kCap lanes per row (max and sum by xor shuffles).
-  for (int first = 0; first < nr; first += nthreads / kCap) {  // uniform
-    const int row = first + tid / kCap, s = tid % kCap;
-    const bool mine = row < nr && s < S;
-    const float l = mine ? __ldcg(m.ws_lse + base_s[s] + int64_t(row) * row_step) : kNoKeys;
-    float big = l;
-#pragma unroll
-    for (int o = kCap / 2; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-    const bool none = big == kNoKeys;  // no piece saw a key: zeros and -inf
-    const float w = none || l == kNoKeys ? 0.0f : expf(l - big);
-    float total = w;
-#pragma unroll
-    for (int o = kCap / 2; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (row < nr) {
-      weight_s[row * kCap + s] = w;
-      if (s == 0) {
-        inv_s[row] = none ? 0.0f : 1.0f / total;
-        m.lse[m.out_row0 + row] = none ? kNoKeys : big + logf(total);
-      }
-    }
-  }
-  __syncthreads();
-  // Outputs: float4 column c of row i is item i * 128 + c; kItems items per thread at a
-  // time, 2 pieces per step: 8 independent 16-byte loads in flight. A piece of weight 0 is
-  // not read (an empty piece wrote no output: its slot may hold anything).
-  constexpr int kItems = 4, kRowF4 = kKvLoraRank / 4;
-  const int items = nr * kRowF4;
-  const float4* const o4 = reinterpret_cast<const float4*>(m.ws_o);
-  for (int i0 = tid; i0 < items; i0 += nthreads * kItems) {
-    float4 acc[kItems];
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 2
-    for (int s = 0; s < S; ++s) {
-      float4 v[kItems];
-      float w[kItems];
-#pragma unroll
-      for (int u = 0; u < kItems; ++u) {
-        const int i = i0 + u * nthreads, row = i / kRowF4;
-        w[u] = i < items ? weight_s[row * kCap + s] : 0.0f;
-        const int64_t at = (base_s[s] + int64_t(row) * row_step) * kRowF4 + i % kRowF4;
-        v[u] = w[u] != 0.0f ? __ldcg(o4 + at) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int u = 0; u < kItems; ++u) {
-        acc[u].x += w[u] * v[u].x;
-        acc[u].y += w[u] * v[u].y;
-        acc[u].z += w[u] * v[u].z;
-        acc[u].w += w[u] * v[u].w;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const int i = i0 + u * nthreads, row = i / kRowF4;
-      if (i >= items) continue;
-      const float inv = inv_s[row];
-      const float x = acc[u].x * inv, y = acc[u].y * inv, z = acc[u].z * inv, w = acc[u].w * inv;
-      const uint2 packed = m.act_f16 ? make_uint2(pack2<fp16>(x, y), pack2<fp16>(z, w))
-                                     : make_uint2(pack2<bf16>(x, y), pack2<bf16>(z, w));
-      reinterpret_cast<uint2*>(static_cast<uint16_t*>(m.out) + (m.out_row0 + row) * kKvLoraRank)
-          [i % kRowF4] = packed;
-    }
-  }
-}
-
-// The arrival of a piece of a fused pair; the last one merges.
-template <int ROWS>
-__device__ __forceinline__ void merge_if_last(const DecodeArgs& a, const DecodeWork& work) {
-  __shared__ int last_s;
-  __threadfence();  // this thread's partial (out and lse) before the pair's count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned prev = atomicAdd(a.merge_count + work.pair, 1u);
-    __threadfence();  // (acquire, in the thread that saw the count)
-    const bool last = prev + 1 == unsigned(work.pieces);
-    if (last) a.merge_count[work.pair] = 0;  // ready for the next launch (graph replays)
-    last_s = last;
-  }
-  __syncthreads();
-  if (!last_s) return;
-  __threadfence();  // the other pieces' partials are visible after their counts
-  MergeArgs m;
-  m.ws_o = a.ws_o;
-  m.ws_lse = a.ws_lse;
-  m.out = a.out;
-  m.lse = a.lse;
-  m.out_row0 = int64_t(a.query_start[work.r]) * a.heads + work.row0;
-  m.part0 = (int64_t(work.r) * a.max_rows + work.row0) * a.num_splits;
-  m.nr = min(ROWS, work.nrows - work.row0);
-  m.pieces = work.pieces;
-  m.w0 = work.w0;
-  m.num_splits = a.num_splits;
-  m.balanced = a.balanced;
-  m.act_f16 = a.act_f16;
-  merge_pair<ROWS>(m);
-}
-
 // Runs `run(work)` for each piece of this CTA's work, with a barrier between pieces (the
 // pieces reuse the CTA's shared memory). Every thread of the CTA must call it. ROWS and
 // KEY_TILE are the calling kernel's row tile and key tile.
@@ -520,9 +361,6 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
     if (tid == 0) memcpy(work_s, &w, sizeof(w));
     __syncthreads();
     run(work);
-    // (uniform: work is in shared memory)
-    if (a.fused_max_pieces && !work.direct && work.pieces <= a.fused_max_pieces)
-      merge_if_last<ROWS>(a, work);
     if (!a.balanced) return;  // one piece per CTA
     __syncthreads();  // the next piece reuses shared memory; the state is read after this
   }

@@ -77,7 +77,6 @@ struct PlanTweak {
   int nosplit_keys = -1;
   int pair_keys = -1;
   bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
-  int fused = -1;    // >= 0: DecodePlan::fused_max_pieces (0 = the combine kernel merges all)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -108,12 +107,9 @@ inline bool schedule_forced() {
 
 // What a caller adds to run_case: a label for its failure messages and a check of every
 // plan (after the tweaks) before it runs.
-// `run`, when set, replaces the plain decode_attention call (e.g. a graph replay); it must
-// leave the result of `p` in p.out / p.lse and may use the workspace as it likes.
 struct CaseHooks {
   std::string label;
   std::function<void(const DecodeParams&, const DecodePlan&)> check_plan;
-  std::function<void(const DecodeParams&, const DecodePlan&, void* workspace)> run;
 };
 
 inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
@@ -295,7 +291,6 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
     if (tweak.pdl) plan.programmatic_combine = true;
-    if (tweak.fused >= 0) plan.fused_max_pieces = tweak.fused;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
@@ -309,33 +304,17 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
                  << (balanced ? plan.num_workers : plan.num_splits) << " (min "
                  << plan.sched_min_keys << ", nosplit " << plan.sched_nosplit_keys << ", pair "
                  << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
-                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
-                 << ", fused merge up to " << plan.fused_max_pieces << " pieces");
+                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : ""));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);
     d_flag.fill_bytes(0);
-    if (hooks.run)
-      hooks.run(p, plan, d_ws.ptr);
-    else
-      decode_attention(p, plan, d_ws.ptr, nullptr);
+    decode_attention(p, plan, d_ws.ptr, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
     EXPECT_EQ(d_flag.download()[0], expected_flag);
-    {
-      // Again on the same workspace (what the first run left there: partials, the fused
-      // merge's counters): the kernels are deterministic, so the bits must repeat.
-      d_out.fill_bytes(0xFF);
-      d_lse.fill_bytes(0xFF);
-      decode_attention(p, plan, d_ws.ptr, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> lse2 = d_lse.download();
-      EXPECT_TRUE(d_out.download() == out &&
-                  std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)) == 0)
-          << "a second run on the same workspace gave other bits";
-    }
 
     // Rows of no request stay poisoned.
     std::vector<bool> owned(size_t(dev_rows), false);

@@ -381,7 +381,6 @@ void check_host_schedule(const HostSchedCase& c) {
     int worker, key0, key1;
     bool direct;
     int64_t part;
-    int pieces, w0, pair;  // what the fused merge counts and reads
   };
   std::vector<std::vector<Piece>> pieces(table.size());
   std::vector<int> slot_uses(size_t(2) * workers, 0);
@@ -392,8 +391,7 @@ void check_host_schedule(const HostSchedCase& c) {
     int64_t tiles_done = 0;
     walk_worker<ROWS, KEY_TILE>(a, u, w, workers, total, off, true, [&](const DecodeWork& p) {
                                     const size_t pair = size_t(p.r) * a.row_tiles + p.row0 / ROWS;
-                                    pieces[pair].push_back({w, p.key0, p.key1, p.direct, p.part,
-                                                            p.pieces, p.w0, p.pair});
+                                    pieces[pair].push_back({w, p.key0, p.key1, p.direct, p.part});
                                     tiles_done += (p.key1 - p.key0 + KEY_TILE - 1) / KEY_TILE;
                                     if (!p.direct) {
                                       ASSERT_EQ(p.part % ROWS, 0);
@@ -431,11 +429,7 @@ void check_host_schedule(const HostSchedCase& c) {
           next = ps[s].key1;
         }
         EXPECT_EQ(ps[s].direct, ps.size() == 1);
-        // The fused merge's counter and piece count: the pair's, the same for every piece.
-        EXPECT_EQ(ps[s].pieces, int(ps.size()));
-        EXPECT_EQ(ps[s].pair, int(pair));
         if (ps.size() > 1) {
-          EXPECT_EQ(ps[s].w0, info.x);
           // Where the piece writes its rows is where the combine reads them.
           EXPECT_EQ(ps[s].worker, info.x + int(s));
           for (int row = 0; row < ROWS; ++row)
@@ -974,168 +968,6 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
     c.seed = 300 + int(format);
     run_case(c, {{0, 16}, {2, 16}});
   }
-}
-
-// ---- the fused merge (DecodePlan::fused_max_pieces) and the combine forms ---------------
-// Both settings on the same batches: off (the combine kernel merges every pair), 2 (pairs
-// of 3 or more pieces still go to the combine kernel, so both paths run in one launch), 3,
-// 8 (the default) and 16; balanced shares from huge (few pieces) to tiny (hundreds of
-// pieces per pair, beyond any fused limit); per-request plans of 2..8 splits, which launch
-// no combine kernel, and 9 (the combine kernel again). run_case poisons the workspace
-// (the counters too: the memset must clear them) and runs every plan twice on it.
-const std::vector<PlanTweak> kFusedTweaks = {
-    {0, 0, false, 0, -1, -1, -1, false, 0},
-    {0, 0, false, 0, -1, -1, -1, false, 2},
-    {0, 0, false, 0, -1, -1, -1, false, 16},
-    {0, 0, false, 100, -1, -1, -1, false, 3},
-    {0, 0, false, 1000, 0, 0, 0, false, 8},  // tiny shares: many pieces per pair
-    {2, 0, false, 0, -1, -1, -1, false, 8},
-    {7, 0, false, 0, -1, -1, -1, false, 8},
-    {7, 0, false, 0, -1, -1, -1, false, 0},
-    {9, 0, false, 0, -1, -1, -1, false, 8},
-    {3, 32, false, 0, -1, -1, -1, false, 4},
-    {0, 64, false, 50, -1, -1, -1, false, 4},
-};
-
-// Lengths around tile (32) and block (64) boundaries, 0 and 1, a padded slot, one longer.
-TEST(CudaDecodeFused, MixedBatchBothSettings) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 12;
-  c.block_size = 64;
-  c.seq_lens = {0, 1, 31, 32, 33, 63, 64, 65, 0, 700, 4000, 9000, 2, 1500};
-  c.query_lens = {1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1};
-  c.seed = 61;
-  run_case(c, kFusedTweaks);
-}
-
-// Odd head counts and causal multi-token rows (tiles that straddle tokens, rows with no
-// key), f16 and fp8_ds_mla caches.
-TEST(CudaDecodeFused, OddHeadsMultiToken) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.format = CacheFormat::fp16;
-  c.act = DType::f16;
-  c.heads = 7;
-  c.block_size = 16;
-  c.seq_lens = {4, 63, 64, 65, 500, 0, 3000, 2, 1025};
-  c.query_lens = {4, 2, 3, 1, 5, 0, 4, 2, 3};
-  c.seed = 62;
-  run_case(c, kFusedTweaks);
-  c.format = CacheFormat::fp8_ds_mla;
-  c.heads = 3;
-  c.seed = 63;
-  run_case(c, {{0, 0, false, 0, -1, -1, -1, false, 0}, {0, 0, false, 0, -1, -1, -1, false, 8},
-               {4, 0, false, 0, -1, -1, -1, false, 8}});
-}
-
-// 64 rows per request from a 16-bit cache: on sm_90 the wgmma kernel (64-key tiles) runs
-// the same hook.
-TEST(CudaDecodeFused, WgmmaTiles) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 16;
-  c.block_size = 64;
-  c.seq_lens = {4, 65, 0, 129, 5000, 1, 12000, 700};
-  c.query_lens = {4, 4, 0, 4, 4, 4, 4, 3};
-  c.causal = false;
-  c.seed = 64;
-  run_case(c, {{0, 0, false, 0, -1, -1, -1, false, 0},
-               {0, 0, false, 0, -1, -1, -1, false, 8},
-               {0, 0, false, 0, -1, -1, -1, false, 2},
-               {0, 0, false, 300, 0, 0, 0, false, 16},
-               {3, 0, false, 0, -1, -1, -1, false, 8},
-               {5, 0, false, 0, -1, -1, -1, false, 4}});
-}
-
-// One 64K-key request: hundreds of per-request splits (the many-partials combine, in every
-// chunk count it may use), a few splits merged in the split kernel, and balanced workers
-// that cut it into hundreds of pieces next to a short request merged in the kernel.
-TEST(CudaDecodeFused, OneLongRequestManySplits) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 12;
-  c.block_size = 64;
-  c.seq_lens = {65536};
-  c.query_lens = {1};
-  c.seed = 65;
-  for (const char* chunks : {"", "4", "8", "32"}) {
-    SCOPED_TRACE(::testing::Message() << "KMLA_DECODE_COMBINE_CHUNKS=" << chunks);
-    setenv("KMLA_DECODE_COMBINE_CHUNKS", chunks, 1);
-    run_case(c, {{0, 0}, {1024, 0}});
-  }
-  unsetenv("KMLA_DECODE_COMBINE_CHUNKS");
-  run_case(c, {{4, 0, false, 0, -1, -1, -1, false, 8}, {8, 0, false, 0, -1, -1, -1, false, 8}});
-  c.seq_lens = {65535, 700};
-  c.query_lens = {1, 2};
-  c.seed = 66;
-  run_case(c, {{0, 0, false, 0, -1, -1, -1, false, 8}, {0, 0, false, 264, -1, -1, -1, false, 3},
-               {247, 0, false, 0, -1, -1, -1, false, 8}});
-}
-
-// A CUDA graph of decode_attention (the counters' memset, the split kernel, the combine)
-// replayed first with every length cut to a third (another batch of the same shape), then
-// with the real ones, which run_case checks.
-void run_in_graph(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
-  // The harness's fills ran on the legacy stream, which a non-blocking stream ignores.
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  decode_attention(p, plan, workspace, s);
-  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  const int R = p.batch.num_requests;
-  std::vector<int32_t> seq(static_cast<size_t>(R)), cut(static_cast<size_t>(R));
-  int32_t* d_seq = const_cast<int32_t*>(p.batch.seq_lens);
-  ASSERT_EQ(cudaMemcpy(seq.data(), d_seq, seq.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int r = 0; r < R; ++r) cut[size_t(r)] = seq[size_t(r)] / 3;
-  ASSERT_EQ(cudaMemcpy(d_seq, cut.data(), cut.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_seq, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
-  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
-}
-
-TEST(CudaDecodeFused, GraphReplayOtherLengths) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 12;
-  c.block_size = 32;
-  c.seq_lens = {5000, 1, 0, 3000, 65, 20000, 900};
-  c.query_lens = {1, 1, 0, 2, 1, 1, 1};
-  c.seed = 67;
-  CaseHooks hooks;
-  hooks.label = "graph";
-  hooks.run = run_in_graph;
-  run_case(c,
-           {{0, 0, false, 0, -1, -1, -1, false, 0}, {0, 0, false, 0, -1, -1, -1, false, 8},
-            {0, 0, false, 0, -1, -1, -1, false, 2}, {4, 0, false, 0, -1, -1, -1, false, 8},
-            {300, 0, false, 0, -1, -1, -1, false, 8}},
-           hooks);
-}
-
-// The fused merge never touches batch-invariant plans: plan_decode leaves it off, and a
-// caller's setting is ignored (the combine kernel's fixed order is the contract).
-TEST(CudaDecodeFused, InvariantPlansKeepTheCombine) {
-  KMLA_REQUIRE_GPU();
-  EXPECT_EQ(plan_decode(4, 12, 1, 9000, false, true).fused_max_pieces, 0);
-  if (!std::getenv("KMLA_DECODE_FUSED_COMBINE"))  // (unless an A/B run switched it)
-    EXPECT_GT(plan_decode(4, 12, 1, 9000, false, false).fused_max_pieces, 0);
-  DecodeCase c;
-  c.batch_invariant = true;
-  c.heads = 12;
-  c.block_size = 64;
-  c.seq_lens = {1, 700, 0, 2000};
-  c.query_lens = {1, 1, 0, 3};
-  c.seed = 68;
-  run_case(c, {{0, 0, false, 0, -1, -1, -1, false, 8}, {3, 0, false, 0, -1, -1, -1, false, 8}});
 }
 
 }  // namespace
