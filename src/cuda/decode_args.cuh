@@ -54,11 +54,6 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
-  // Fused merge (decode_sched.cuh, merge_if_last): a (request, row tile) pair of 2 to
-  // fused_max_pieces pieces is merged by the CTA that finishes its last piece, which
-  // counts arrivals in merge_count; 0 = off (the combine kernel merges every pair).
-  int fused_max_pieces;
-  unsigned* merge_count;  // [num_requests * row_tiles], zero on entry, zero again on exit
 };
 
 #ifdef __CUDACC__

@@ -1347,8 +1347,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 // A partial with LSE -inf wrote no output and is never read (its workspace may hold
 // anything, even NaN). Where a row's partials are: per-request schedule,
 // ws_lse[item * num_splits + s] (contiguous); balanced, the slots of its pair's pieces
-// (balanced_partial). Pairs of at most a.fused_max_pieces pieces were merged by the split
-// kernel (decode_sched.cuh, merge_if_last) and are skipped.
+// (balanced_partial).
 // Batch-invariant plans always use 4 chunks (partials added in order), so an element's
 // arithmetic depends on nothing but its row's partials.
 // Launched as a programmatic dependent of the split kernel on sm_90 (when the plan says
@@ -1376,7 +1375,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
     w0 = pieces.x;
     S = pieces.y;
-    if (S <= 1 || S <= a.fused_max_pieces) return;  // written by the split kernel
+    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
   } else if (a.batch_invariant) {
     // The grid's later splits are empty (LSE -inf, weight exactly 0): not visited.
     S = invariant_splits(a.seq_lens[r], a.num_splits);
@@ -1496,7 +1495,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
     w0 = pieces.x;
     S = pieces.y;
-    if (S <= 1 || S <= a.fused_max_pieces) return;  // written by the split kernel
+    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
   }
   auto part = [&](int s) -> int64_t {
     return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
