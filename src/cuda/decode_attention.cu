@@ -1359,9 +1359,6 @@ constexpr int kCombineInvariantChunks = 4;
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
     decode_combine_kernel(const DecodeArgs a, int chunks) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
-#endif
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
   const int64_t task = int64_t(blockIdx.x) * kCombineWarps + warp;
   const int64_t item = task / chunks;  // (request, row) pair
@@ -1369,6 +1366,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
+  // (The batch's lengths are inputs, never written by the split kernel: read before the
+  // wait, so under PDL their latency overlaps the split kernel's tail.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
+#endif
   // Partial s of this row: LSE a.ws_lse[part(s)], output a.ws_o + part(s) * 512.
   int S = a.num_splits, w0 = 0;
   if (a.balanced) {
@@ -1480,9 +1482,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float weight_s[kMaxSplits];          // w_s = exp(lse_s - max): 4 KB
   __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
   __shared__ float4 group_s[kCombineWarps][32];   // each warp's group sums: 4 KB
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
-#endif
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int64_t item = int64_t(blockIdx.x) / chunks;  // (request, row) pair
   const int chunk = int(int64_t(blockIdx.x) % chunks);
@@ -1490,6 +1489,12 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
+  const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
+  // (Inputs, never written by the split kernel: read before the wait, so under PDL their
+  // latency overlaps the split kernel's tail.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
+#endif
   int S = a.num_splits, w0 = 0;
   if (a.balanced) {
     const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
@@ -1523,7 +1528,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int col = lane % chunk_f4, group = tid / chunk_f4;
   const int groups = kCombineThreads / chunk_f4;
   const int col0 = (chunk * chunk_f4 + col) * 4;
-  const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
   T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
   if (big == kNegInf) {  // no split saw a key: zeros and -inf
     if (tid < chunk_f4) *reinterpret_cast<uint2*>(out) = make_uint2(0, 0);
@@ -1633,7 +1637,8 @@ int rows_per_cta_for(int rows_per_request) {
 // fewer splits when within 3.5 % of the best. On H200 (132 SMs x 2 slots of 16 rows):
 //   128 req x 16 heads -> 2 splits (256 of 264 slots);  32 x 12 heads, 32K keys -> 8 (256);
 //   4 x 12 heads, 256K keys -> 64 (256);  1 x 12 heads, 64K keys -> 247, 1M -> 255.
-// (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.)
+// (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.) plan_decode then evens the
+// splits of a one-wave grid out (64K: 256, 1M: 263).
 int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   if (ctas <= 0) return 1;
   const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
@@ -1801,6 +1806,20 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
       int64_t(num_requests) * ceil_div(int64_t(max_query_len) * heads, plan.rows_per_cta);
   const int64_t slots = int64_t(sms) * per_sm;
   plan.num_splits = choose_num_splits(ctas, max_seq_len, slots);
+  // Even splits. A request's splits are equal tile ranges of ceil(tiles / splits) tiles,
+  // so the fill rule's 247 splits of a 64K-key request (2,048 tiles) give 9 tiles to 227
+  // CTAs and none to the last 20, and the kernel takes as long as 9 tiles. When the grid
+  // is one wave, take the fewest tiles per CTA that one wave allows instead: 2,048 tiles
+  // over 264 slots -> 8 tiles x 256 splits (1M keys: 125 x 263 instead of 129 x 255).
+  // KMLA_DECODE_EVEN_SPLITS=0 keeps the fill rule alone (A/B runs).
+  const bool one_wave = ctas > 0 && ctas * plan.num_splits <= slots;
+  if (one_wave && env_int("KMLA_DECODE_EVEN_SPLITS", 1) != 0) {
+    const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
+    const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
+    const int64_t per_split =
+        std::max<int64_t>(kMinKeysPerSplit / kKeyTile, ceil_div(tiles, per_wave));
+    plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
+  }
   // Balanced: one wave of workers on every CTA slot (264 on H200 for 16 / 32-row tiles,
   // 132 for 64-row ones); the device takes fewer when the batch is small (sched_min_keys).
   const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
@@ -1819,10 +1838,16 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   }
   int major = 0;
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  // Off by default: launched early, the combine's waiting CTAs take SM slots from the split
-  // kernel. Measured on H200: mixed lengths 327 us without against 358 with, (1, 12, 64K)
-  // 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
-  plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 0) != 0;
+  // Off for balanced plans: launched early, the combine's waiting CTAs take SM slots from
+  // the split kernel. Measured on H200: mixed lengths 327 us without against 358 with,
+  // (1, 12, 64K) balanced 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
+  // On for a per-request grid of one wave (one long request): every split CTA is resident
+  // from the start, so the combine's CTAs (no dynamic shared memory) only use what the
+  // split CTAs leave of each SM, and the gap between the kernels goes. KMLA_DECODE_PDL=0|1
+  // overrides.
+  const int pdl = env_int("KMLA_DECODE_PDL", -1);
+  const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
+  plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }
