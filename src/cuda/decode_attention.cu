@@ -1338,8 +1338,8 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 // (row, column chunk): the row's 512 columns come in `chunks` chunks of 128 / chunks
 // float4 (chunks 1..16). Many rows (128 requests x 12 heads: 1,536 rows of ~2 partials)
 // take one warp per row, no shared memory and no barrier. Per task:
-//   1. the warp reads the row's S LSEs (lane-strided) and reduces their max and the total
-//      weight sum_s exp(lse_s - max) by shuffles;
+//   1. the warp reads the row's S LSEs (lane-strided; lane s keeps partial s's) and
+//      reduces their max and the total weight sum_s exp(lse_s - max) by shuffles;
 //   2. its lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes split
 //      groups; group g adds w_s O_s for s = g, g + groups, ... into 1-4 float4 per lane
 //      (independent 16-byte loads; a partial's column lanes read >= 128 consecutive bytes);
@@ -1389,8 +1389,12 @@ __global__ void __launch_bounds__(kCombineThreads)
   auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
   auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
 
-  float big = kNegInf;
-  for (int s = lane; s < S; s += 32) big = fmaxf(big, lse_at(s));
+  // Lane s keeps partial s's LSE (and below its weight) in a register: with S <= 32 (all
+  // but one long request) the O loop takes the weight by a shuffle and the LSEs cost one
+  // round trip instead of three. The arithmetic is the general loop's, value for value.
+  const float my_lse = lane < S ? lse_at(lane) : kNegInf;
+  float big = my_lse;
+  for (int s = lane + 32; s < S; s += 32) big = fmaxf(big, lse_at(s));
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
 
   const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
@@ -1407,8 +1411,10 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (chunk == 0 && lane == 0) a.lse[out_row] = kNegInf;
     return;
   }
+  const float my_w = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
   float total = 0.0f;
-  for (int s = lane; s < S; s += 32) {
+  total += my_w;
+  for (int s = lane + 32; s < S; s += 32) {
     const float l = lse_at(s);
     total += l == kNegInf ? 0.0f : expf(l - big);
   }
@@ -1417,11 +1423,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   float4 sum[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) sum[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-  for (int s = group; s < S; s += groups) {
-    const float l = lse_at(s);
-    if (l == kNegInf) continue;
-    const float w = expf(l - big);
+  // Adds w_s O_s. A weight of 0 adds nothing: an empty partial (LSE -inf, its slot may
+  // hold NaN) is never read, and one whose weight underflowed would add exact zeros.
+  auto add = [&](int s, float w) {
     const float* o = o_at(s) + col0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -1432,6 +1436,22 @@ __global__ void __launch_bounds__(kCombineThreads)
         sum[k].z += w * v.z;
         sum[k].w += w * v.w;
       }
+    }
+  };
+  if (S <= 32) {
+#pragma unroll 4
+    for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
+      const int s = s0 + group;
+      const float w = __shfl_sync(0xffffffffu, my_w, s & 31);
+      if (s < S && w != 0.0f) add(s, w);
+    }
+  } else {
+#pragma unroll 4
+    for (int s = group; s < S; s += groups) {
+      const float l = lse_at(s);
+      if (l == kNegInf) continue;
+      const float w = expf(l - big);
+      if (w != 0.0f) add(s, w);
     }
   }
   for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
