@@ -1351,7 +1351,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 // Batch-invariant plans always use 4 chunks (partials added in order), so an element's
 // arithmetic depends on nothing but its row's partials.
 // Launched as a programmatic dependent of the split kernel on sm_90 (when the plan says
-// so): it waits for that grid (griddepcontrol.wait) before reading anything.
+// so): it waits for that grid (griddepcontrol.wait) before reading any partial.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineInvariantChunks = 4;
@@ -1488,7 +1488,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 //      w_s O_s for s = g, g + groups, ... with kCombineLoads float4 loads in flight per
 //      thread (16 chunks, 247 partials: 32 groups of ~8, all loads of a thread at once);
 //   4. the groups meet by xor shuffles inside a warp and in warp order through shared
-//      memory (1 KB, one barrier); chunk_f4 threads scale by 1 / total and write.
+//      memory (4 KB, one barrier); chunk_f4 threads scale by 1 / total and write.
 // Four dependent global round trips in all (query length, LSEs, O, store), against ~25
 // for the warp-per-task form at 247 partials. The order of the additions depends only on
 // S and the plan's chunks (never used by batch-invariant plans, which keep the form above).
