@@ -1332,48 +1332,45 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 }
 
 // ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
-// A task is one (row, column chunk): the row's 512 columns come in `chunks` chunks of
-// 128 / chunks float4 (chunks 1..16), and a task is done by `team` warps (1, or 8 = the
-// CTA), both fixed by the plan: many rows (128 requests x 12 heads: 1,536 rows of ~2
-// partials) take one warp per row, no shared memory and no barrier; a few rows with
-// hundreds of partials (one 64K-key request: 12 rows) take 16 chunks x 8 warps each, so
-// 1,536 warps share its 6.3 MB of partials. Per task:
-//   1. every warp reads the row's S LSEs (lane-strided) and reduces their max and the total
-//      weight sum_s exp(lse_s - max) by shuffles;
-//   2. a warp's lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes
-//      split groups, team x that many groups in the task; group g adds w_s O_s for s = g,
-//      g + groups, ... into 1-4 float4 per lane (independent 16-byte loads; a partial's
-//      column lanes read >= 128 consecutive bytes);
-//   3. the groups' sums meet by xor shuffles within a warp, then (team 8) in warp order
-//      through shared memory (4 KB); the first group scales by 1 / total and writes.
+// Two forms, picked by the plan from the row count (decode_attention, below): this one, a
+// warp per task, for many rows of a few partials each, and decode_combine_rows_kernel (a
+// CTA per task, one pass over the LSEs) for a few rows of many partials. A task is one
+// (row, column chunk): the row's 512 columns come in `chunks` chunks of 128 / chunks
+// float4 (chunks 1..16). Many rows (128 requests x 12 heads: 1,536 rows of ~2 partials)
+// take one warp per row, no shared memory and no barrier. Per task:
+//   1. the warp reads the row's S LSEs (lane-strided; lane s keeps partial s's) and
+//      reduces their max and the total weight sum_s exp(lse_s - max) by shuffles;
+//   2. its lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes split
+//      groups; group g adds w_s O_s for s = g, g + groups, ... into 1-4 float4 per lane
+//      (independent 16-byte loads; a partial's column lanes read >= 128 consecutive bytes);
+//   3. the groups' sums meet by xor shuffles; the first group scales by 1 / total and writes.
 // A partial with LSE -inf wrote no output and is never read (its workspace may hold
 // anything, even NaN). Where a row's partials are: per-request schedule,
 // ws_lse[item * num_splits + s] (contiguous); balanced, the slots of its pair's pieces
 // (balanced_partial).
-// Batch-invariant plans always use 4 chunks and one warp (partials added in order), so an
-// element's arithmetic depends on nothing but its row's partials.
-// Launched as a programmatic dependent of the split kernel on sm_90: it waits for that grid
-// (griddepcontrol.wait) before reading anything.
+// Batch-invariant plans always use 4 chunks (partials added in order), so an element's
+// arithmetic depends on nothing but its row's partials.
+// Launched as a programmatic dependent of the split kernel on sm_90 (when the plan says
+// so): it waits for that grid (griddepcontrol.wait) before reading any partial.
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineInvariantChunks = 4;
 
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_kernel(const DecodeArgs a, int chunks, int team) {
-  __shared__ float4 red_s[kCombineWarps][32];  // team 8: each warp's group sums
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
-#endif
+    decode_combine_kernel(const DecodeArgs a, int chunks) {
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
-  const int member = team == 1 ? 0 : warp;  // this warp's place in the task's team
-  const int64_t task = team == 1 ? int64_t(blockIdx.x) * kCombineWarps + warp : blockIdx.x;
+  const int64_t task = int64_t(blockIdx.x) * kCombineWarps + warp;
   const int64_t item = task / chunks;  // (request, row) pair
   const int chunk = int(task % chunks);
-  // (All exits before the team's barrier are uniform over the team.)
   if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
+  // (The batch's lengths are inputs, never written by the split kernel: read before the
+  // wait, so under PDL their latency overlaps the split kernel's tail.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
+#endif
   // Partial s of this row: LSE a.ws_lse[part(s)], output a.ws_o + part(s) * 512.
   int S = a.num_splits, w0 = 0;
   if (a.balanced) {
@@ -1392,26 +1389,32 @@ __global__ void __launch_bounds__(kCombineThreads)
   auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
   auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
 
-  float big = kNegInf;
-  for (int s = lane; s < S; s += 32) big = fmaxf(big, lse_at(s));
+  // Lane s keeps partial s's LSE (and below its weight) in a register: with S <= 32 (all
+  // but one long request) the O loop takes the weight by a shuffle and the LSEs cost one
+  // round trip instead of three. The arithmetic is the general loop's, value for value.
+  const float my_lse = lane < S ? lse_at(lane) : kNegInf;
+  float big = my_lse;
+  for (int s = lane + 32; s < S; s += 32) big = fmaxf(big, lse_at(s));
   for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
 
   const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
   const int col_lanes = chunk_f4 < 32 ? chunk_f4 : 32;
   const int groups = 32 / col_lanes, per_lane = chunk_f4 / col_lanes;  // per_lane <= 4
-  const int group = lane / col_lanes, first_group = member * groups + group;
+  const int group = lane / col_lanes;
   const int col0 = (chunk * chunk_f4 + lane % col_lanes) * 4;  // + 4 col_lanes k
   const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
   T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
   if (big == kNegInf) {  // no split saw a key: zeros and -inf
-    if (first_group == 0)
+    if (group == 0)
       for (int k = 0; k < per_lane; ++k)
         *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) = make_uint2(0, 0);
-    if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = kNegInf;
+    if (chunk == 0 && lane == 0) a.lse[out_row] = kNegInf;
     return;
   }
+  const float my_w = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
   float total = 0.0f;
-  for (int s = lane; s < S; s += 32) {
+  total += my_w;
+  for (int s = lane + 32; s < S; s += 32) {
     const float l = lse_at(s);
     total += l == kNegInf ? 0.0f : expf(l - big);
   }
@@ -1420,11 +1423,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   float4 sum[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) sum[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-  for (int s = first_group; s < S; s += team * groups) {
-    const float l = lse_at(s);
-    if (l == kNegInf) continue;
-    const float w = expf(l - big);
+  // Adds w_s O_s. A weight of 0 adds nothing: an empty partial (LSE -inf, its slot may
+  // hold NaN) is never read, and one whose weight underflowed would add exact zeros.
+  auto add = [&](int s, float w) {
     const float* o = o_at(s) + col0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -1436,6 +1437,22 @@ __global__ void __launch_bounds__(kCombineThreads)
         sum[k].w += w * v.w;
       }
     }
+  };
+  if (S <= 32) {
+#pragma unroll 4
+    for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
+      const int s = s0 + group;
+      const float w = __shfl_sync(0xffffffffu, my_w, s & 31);
+      if (s < S && w != 0.0f) add(s, w);
+    }
+  } else {
+#pragma unroll 4
+    for (int s = group; s < S; s += groups) {
+      const float l = lse_at(s);
+      if (l == kNegInf) continue;
+      const float w = expf(l - big);
+      if (w != 0.0f) add(s, w);
+    }
   }
   for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
 #pragma unroll
@@ -1444,19 +1461,6 @@ __global__ void __launch_bounds__(kCombineThreads)
       sum[k].y += __shfl_xor_sync(0xffffffffu, sum[k].y, o);
       sum[k].z += __shfl_xor_sync(0xffffffffu, sum[k].z, o);
       sum[k].w += __shfl_xor_sync(0xffffffffu, sum[k].w, o);
-    }
-  }
-  if (team > 1) {  // the team's warps, in warp order (the plan gives team 8 per_lane 1)
-    red_s[warp][lane] = sum[0];
-    __syncthreads();
-    if (warp != 0) return;
-    sum[0] = red_s[0][lane];
-    for (int j = 1; j < kCombineWarps; ++j) {
-      const float4 v = red_s[j][lane];
-      sum[0].x += v.x;
-      sum[0].y += v.y;
-      sum[0].z += v.z;
-      sum[0].w += v.w;
     }
   }
   const float inv = 1.0f / total;
@@ -1468,7 +1472,154 @@ __global__ void __launch_bounds__(kCombineThreads)
             make_uint2(pack2<T>(sum[k].x * inv, sum[k].y * inv),
                        pack2<T>(sum[k].z * inv, sum[k].w * inv));
   }
-  if (chunk == 0 && member == 0 && lane == 0) a.lse[out_row] = big + logf(total);
+  if (chunk == 0 && lane == 0) a.lse[out_row] = big + logf(total);
+}
+
+// ---- combine, many partials per row: one CTA per (row, column chunk) ---------------------
+// For a few rows with hundreds of partials each (one 64K-key request: 12 rows of 247), the
+// warp-per-task combine above is latency bound: every warp walks the row's LSEs three times
+// (max, total, weights), each a chain of lane-strided L2 loads, before any O is read. Here
+// the CTA (256 threads) reads the S <= 1024 LSEs once, every thread up to 4 of them with
+// independent loads, and then:
+//   1. block max (warp shuffles, 8 warp maxima in shared memory, one barrier);
+//   2. weights w_s = exp(lse_s - max) (0 for an empty partial) into shared memory, 4 KB,
+//      and their block sum (one more barrier, which also publishes the weights);
+//   3. the chunk's chunk_f4 float4 columns x 256 / chunk_f4 split groups: group g adds
+//      w_s O_s for s = g, g + groups, ... with kCombineLoads float4 loads in flight per
+//      thread (16 chunks, 247 partials: 32 groups of ~8, all loads of a thread at once);
+//   4. the groups meet by xor shuffles inside a warp and in warp order through shared
+//      memory (4 KB, one barrier); chunk_f4 threads scale by 1 / total and write.
+// Four dependent global round trips in all (query length, LSEs, O, store), against ~25
+// for the warp-per-task form at 247 partials. The order of the additions depends only on
+// S and the plan's chunks (never used by batch-invariant plans, which keep the form above).
+// chunks in 4..32: chunk_f4 = 128 / chunks float4 columns, at most one warp wide.
+constexpr int kCombineLoads = 8;
+constexpr int kCombineLsePerThread = kMaxSplits / kCombineThreads;  // 4
+
+template <class T>
+__global__ void __launch_bounds__(kCombineThreads)
+    decode_combine_rows_kernel(const DecodeArgs a, int chunks) {
+  __shared__ float weight_s[kMaxSplits];          // w_s = exp(lse_s - max): 4 KB
+  __shared__ float max_s[kCombineWarps], sum_s[kCombineWarps];
+  __shared__ float4 group_s[kCombineWarps][32];   // each warp's group sums: 4 KB
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int64_t item = int64_t(blockIdx.x) / chunks;  // (request, row) pair
+  const int chunk = int(int64_t(blockIdx.x) % chunks);
+  // Every exit before the last barrier is uniform over the CTA.
+  if (item >= int64_t(a.num_requests) * a.max_rows) return;
+  const int r = int(item / a.max_rows), row = int(item % a.max_rows);
+  if (row >= a.query_lens[r] * a.heads) return;
+  const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
+  // (Inputs, never written by the split kernel: read before the wait, so under PDL their
+  // latency overlaps the split kernel's tail.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
+#endif
+  int S = a.num_splits, w0 = 0;
+  if (a.balanced) {
+    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
+    w0 = pieces.x;
+    S = pieces.y;
+    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
+  }
+  auto part = [&](int s) -> int64_t {
+    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
+                      : item * a.num_splits + s;
+  };
+
+  // 1. the LSEs, one pass, independent loads; block max
+  float lse[kCombineLsePerThread];
+  float big = kNegInf;
+#pragma unroll
+  for (int k = 0; k < kCombineLsePerThread; ++k) {
+    const int s = tid + k * kCombineThreads;
+    lse[k] = s < S ? a.ws_lse[part(s)] : kNegInf;
+    big = fmaxf(big, lse[k]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  if (lane == 0) max_s[warp] = big;
+  __syncthreads();
+  big = max_s[0];
+#pragma unroll
+  for (int i = 1; i < kCombineWarps; ++i) big = fmaxf(big, max_s[i]);
+
+  const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk, <= 32
+  const int col = lane % chunk_f4, group = tid / chunk_f4;
+  const int groups = kCombineThreads / chunk_f4;
+  const int col0 = (chunk * chunk_f4 + col) * 4;
+  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
+  if (big == kNegInf) {  // no split saw a key: zeros and -inf
+    if (tid < chunk_f4) *reinterpret_cast<uint2*>(out) = make_uint2(0, 0);
+    if (chunk == 0 && tid == 0) a.lse[out_row] = kNegInf;
+    return;
+  }
+
+  // 2. weights and their sum
+  float total = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kCombineLsePerThread; ++k) {
+    const int s = tid + k * kCombineThreads;
+    if (s < S) {
+      const float w = lse[k] == kNegInf ? 0.0f : expf(lse[k] - big);
+      weight_s[s] = w;
+      total += w;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) sum_s[warp] = total;
+  __syncthreads();  // also publishes weight_s
+  total = sum_s[0];
+#pragma unroll
+  for (int i = 1; i < kCombineWarps; ++i) total += sum_s[i];
+
+  // 3. this group's partials, kCombineLoads independent float4 loads at a time. A
+  // partial of weight 0 is not read: an empty one may hold anything (even NaN).
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s0 = group; s0 < S; s0 += groups * kCombineLoads) {
+    float4 v[kCombineLoads];
+    float w[kCombineLoads];
+#pragma unroll
+    for (int u = 0; u < kCombineLoads; ++u) {
+      const int s = s0 + u * groups;
+      w[u] = s < S ? weight_s[s] : 0.0f;
+      v[u] = w[u] != 0.0f
+                 ? __ldcg(reinterpret_cast<const float4*>(a.ws_o + part(s) * kKvLoraRank + col0))
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kCombineLoads; ++u) {
+      acc.x += w[u] * v[u].x;
+      acc.y += w[u] * v[u].y;
+      acc.z += w[u] * v[u].z;
+      acc.w += w[u] * v[u].w;
+    }
+  }
+
+  // 4. the groups' sums: inside the warp, then across the warps in warp order
+  for (int o = chunk_f4; o < 32; o <<= 1) {
+    acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+    acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+    acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
+    acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
+  }
+  group_s[warp][lane] = acc;
+  __syncthreads();
+  if (tid >= chunk_f4) return;
+  acc = group_s[0][tid];
+#pragma unroll
+  for (int i = 1; i < kCombineWarps; ++i) {
+    const float4 g = group_s[i][tid];
+    acc.x += g.x;
+    acc.y += g.y;
+    acc.z += g.z;
+    acc.w += g.w;
+  }
+  const float inv = 1.0f / total;
+  *reinterpret_cast<uint2*>(out) =
+      make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
+  if (chunk == 0 && tid == 0) a.lse[out_row] = big + logf(total);
 }
 
 // ---- host side ------------------------------------------------------------------------
@@ -1506,7 +1657,8 @@ int rows_per_cta_for(int rows_per_request) {
 // fewer splits when within 3.5 % of the best. On H200 (132 SMs x 2 slots of 16 rows):
 //   128 req x 16 heads -> 2 splits (256 of 264 slots);  32 x 12 heads, 32K keys -> 8 (256);
 //   4 x 12 heads, 256K keys -> 64 (256);  1 x 12 heads, 64K keys -> 247, 1M -> 255.
-// (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.)
+// (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.) plan_decode then evens the
+// splits of a one-wave grid out (64K: 256, 1M: 263).
 int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   if (ctas <= 0) return 1;
   const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
@@ -1674,6 +1826,20 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
       int64_t(num_requests) * ceil_div(int64_t(max_query_len) * heads, plan.rows_per_cta);
   const int64_t slots = int64_t(sms) * per_sm;
   plan.num_splits = choose_num_splits(ctas, max_seq_len, slots);
+  // Even splits. A request's splits are equal tile ranges of ceil(tiles / splits) tiles,
+  // so the fill rule's 247 splits of a 64K-key request (2,048 tiles) give 9 tiles to 227
+  // CTAs and none to the last 20, and the kernel takes as long as 9 tiles. When the grid
+  // is one wave, take the fewest tiles per CTA that one wave allows instead: 2,048 tiles
+  // over 264 slots -> 8 tiles x 256 splits (1M keys: 125 x 263 instead of 129 x 255).
+  // KMLA_DECODE_EVEN_SPLITS=0 keeps the fill rule alone (A/B runs).
+  const bool one_wave = ctas > 0 && ctas * plan.num_splits <= slots;
+  if (one_wave && env_int("KMLA_DECODE_EVEN_SPLITS", 1) != 0) {
+    const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
+    const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
+    const int64_t per_split =
+        std::max<int64_t>(kMinKeysPerSplit / kKeyTile, ceil_div(tiles, per_wave));
+    plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
+  }
   // Balanced: one wave of workers on every CTA slot (264 on H200 for 16 / 32-row tiles,
   // 132 for 64-row ones); the device takes fewer when the batch is small (sched_min_keys).
   const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
@@ -1692,10 +1858,16 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   }
   int major = 0;
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  // Off by default: launched early, the combine's waiting CTAs take SM slots from the split
-  // kernel. Measured on H200: mixed lengths 327 us without against 358 with, (1, 12, 64K)
-  // 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
-  plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 0) != 0;
+  // Off for balanced plans: launched early, the combine's waiting CTAs take SM slots from
+  // the split kernel. Measured on H200: mixed lengths 327 us without against 358 with,
+  // (1, 12, 64K) balanced 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
+  // On for a per-request grid of one wave (one long request): every split CTA is resident
+  // from the start, so the combine's CTAs (no dynamic shared memory) only use what the
+  // split CTAs leave of each SM, and the gap between the kernels goes. KMLA_DECODE_PDL=0|1
+  // overrides.
+  const int pdl = env_int("KMLA_DECODE_PDL", -1);
+  const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
+  plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }
@@ -1830,18 +2002,26 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
     if (!a.direct_out) {
-      // Column chunks and warps per task (see the combine): one warp per row once the rows
-      // alone give ~2K warps (128 requests x 12 heads: 1,536 rows); more chunks, then whole
-      // CTAs per chunk, for fewer rows (one long request: 12 rows x 16 chunks x 8 warps).
+      // Column chunks per row and the form (see the two combine kernels): one warp per
+      // (row, chunk) once the rows alone give ~2K warps (128 requests x 12 heads: 1,536
+      // rows); more chunks for fewer rows; and for a few rows (one long request: 12 rows,
+      // 16 chunks) a CTA per (row, chunk) that reads the LSEs once (decode_combine_rows).
+      // Batch-invariant plans keep 4 chunks of one warp (their fixed order).
       const int64_t items = int64_t(b.num_requests) * a.max_rows;
-      int chunks = kCombineInvariantChunks, team = 1;
+      int chunks = kCombineInvariantChunks;
+      bool rows_form = false;
       if (!plan.batch_invariant) {
         chunks = 1;
         while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
-        if (chunks >= 4 && items * chunks <= 512) team = kCombineWarps;
+        rows_form = chunks >= 4 && items * chunks <= 512;
+        // A/B switch for the many-partials form: its chunks per row (4, 8, 16 or 32).
+        const int forced = env_int("KMLA_DECODE_COMBINE_CHUNKS", 0);
+        if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
+          chunks = forced;
       }
       cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(team == 1 ? ceil_div(items * chunks, kCombineWarps) : items * chunks));
+      cfg.gridDim = dim3(unsigned(rows_form ? items * chunks
+                                            : ceil_div(items * chunks, kCombineWarps)));
       cfg.blockDim = dim3(kCombineThreads);
       cfg.dynamicSmemBytes = 0;
       cfg.stream = stream;
@@ -1850,7 +2030,10 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       attr[0].val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = attr;
       cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks, team));
+      if (rows_form)
+        KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_rows_kernel<T>, a, chunks));
+      else
+        KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks));
     }
   });
 }

@@ -107,9 +107,12 @@ inline bool schedule_forced() {
 
 // What a caller adds to run_case: a label for its failure messages and a check of every
 // plan (after the tweaks) before it runs.
+// `run`, when set, replaces the plain decode_attention call (e.g. a graph replay); it must
+// leave the result of `p` in p.out / p.lse and may use the workspace as it likes.
 struct CaseHooks {
   std::string label;
   std::function<void(const DecodeParams&, const DecodePlan&)> check_plan;
+  std::function<void(const DecodeParams&, const DecodePlan&, void* workspace)> run;
 };
 
 inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
@@ -310,11 +313,26 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);
     d_flag.fill_bytes(0);
-    decode_attention(p, plan, d_ws.ptr, nullptr);
+    if (hooks.run)
+      hooks.run(p, plan, d_ws.ptr);
+    else
+      decode_attention(p, plan, d_ws.ptr, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
     EXPECT_EQ(d_flag.download()[0], expected_flag);
+    {
+      // Again on the same workspace (what the first run left there): the kernels are
+      // deterministic, so the bits must repeat.
+      d_out.fill_bytes(0xFF);
+      d_lse.fill_bytes(0xFF);
+      decode_attention(p, plan, d_ws.ptr, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> lse2 = d_lse.download();
+      EXPECT_TRUE(d_out.download() == out &&
+                  std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)) == 0)
+          << "a second run on the same workspace gave other bits";
+    }
 
     // Rows of no request stay poisoned.
     std::vector<bool> owned(size_t(dev_rows), false);

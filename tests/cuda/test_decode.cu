@@ -970,5 +970,98 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
   }
 }
 
+// ---- the combine's two forms -------------------------------------------------------------
+// One 64K-key request: hundreds of per-request splits go to the CTA-per-(row, chunk) form
+// (decode_combine_rows_kernel), in every chunk count it may use and with the most splits
+// (1024: four LSEs per thread); next to a short multi-token request the rows are many
+// enough for the warp-per-task form, under both schedules.
+TEST(CudaDecodeCombine, OneLongRequestManySplits) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 12;
+  c.block_size = 64;
+  c.seq_lens = {65536};
+  c.query_lens = {1};
+  c.seed = 65;
+  for (const char* chunks : {"", "4", "8", "32"}) {
+    SCOPED_TRACE(::testing::Message() << "KMLA_DECODE_COMBINE_CHUNKS=" << chunks);
+    setenv("KMLA_DECODE_COMBINE_CHUNKS", chunks, 1);
+    run_case(c, {{0, 0}, {1024, 0}, {3, 0}});
+  }
+  unsetenv("KMLA_DECODE_COMBINE_CHUNKS");
+  c.heads = 5;  // odd: rows 5 and 10 per request
+  c.seq_lens = {65535, 0, 700};
+  c.query_lens = {1, 0, 2};
+  c.seed = 66;
+  run_case(c, {{0, 0}, {0, 0, false, 264}, {0, 0, false, 1000, 0, 0, 0}, {247, 0}});
+}
+
+// A CUDA graph of decode_attention (the split kernel and the combine) replayed first with
+// every length cut to a third (another batch of the same shape), then with the real ones,
+// which run_case checks.
+void run_in_graph(const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+  // The harness's fills ran on the legacy stream, which a non-blocking stream ignores.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  decode_attention(p, plan, workspace, s);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const int R = p.batch.num_requests;
+  std::vector<int32_t> seq(static_cast<size_t>(R)), cut(static_cast<size_t>(R));
+  int32_t* d_seq = const_cast<int32_t*>(p.batch.seq_lens);
+  ASSERT_EQ(cudaMemcpy(seq.data(), d_seq, seq.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int r = 0; r < R; ++r) cut[size_t(r)] = seq[size_t(r)] / 3;
+  ASSERT_EQ(cudaMemcpy(d_seq, cut.data(), cut.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_seq, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+}
+
+TEST(CudaDecodeCombine, GraphReplayOtherLengths) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 12;
+  c.block_size = 32;
+  c.seq_lens = {5000, 1, 0, 3000, 65, 20000, 900};
+  c.query_lens = {1, 1, 0, 2, 1, 1, 1};
+  c.seed = 67;
+  CaseHooks hooks;
+  hooks.label = "graph";
+  hooks.run = run_in_graph;
+  run_case(c, {{0, 0}, {0, 0, false, 50}, {4, 0}, {300, 0}}, hooks);
+  c.seq_lens = {30000};  // one request: the many-partials form
+  c.query_lens = {1};
+  c.seed = 68;
+  run_case(c, {{0, 0}, {2, 0}}, hooks);
+}
+
+// One long request on a one-wave grid: no split is left without keys (equal tile ranges of
+// ceil(tiles / splits) tiles), and on sm_90 the combine is launched early (PDL).
+TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
+  KMLA_REQUIRE_GPU();
+  for (int64_t seq : {int64_t(65536), int64_t(1) << 20, int64_t(100000)}) {
+    SCOPED_TRACE(::testing::Message() << "seq " << seq);
+    const DecodePlan plan = plan_decode(1, 12, 1, seq, false);
+    const int64_t tiles = (seq + 31) / 32, per = (tiles + plan.num_splits - 1) / plan.num_splits;
+    if (!std::getenv("KMLA_DECODE_EVEN_SPLITS"))
+      EXPECT_LT((plan.num_splits - 1) * per, tiles) << plan.num_splits << " splits";
+    int device = 0, major = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+              cudaSuccess);
+    if (!std::getenv("KMLA_DECODE_PDL") && !schedule_forced())
+      EXPECT_EQ(plan.programmatic_combine, major >= 9);
+  }
+}
+
 }  // namespace
 }  // namespace kmla::cuda
