@@ -69,8 +69,9 @@ struct DecodePlan {
   bool deep_pipeline = false;
   // CTAs per SM of the fp8 caches' 16-row kernels under bf16 activations (2 or 3; others
   // ignore it). 3 runs a form with fewer raw stages and registers (decode_attention.cu,
-  // decode_fp8_tiles). plan_decode picks 2 unless KMLA_FP8_CTAS=3 and the plan was made for
-  // an fp8 format; then it also sizes the splits / workers for 3 CTA slots per SM.
+  // decode_fp8_tiles). plan_decode picks 3 for plans made for fp8_ds_mla and 2 otherwise
+  // (KMLA_FP8_CTAS=2|3 overrides it for both fp8 formats), and sizes the splits / workers
+  // for that many CTA slots per SM.
   int fp8_ctas_per_sm = 2;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are

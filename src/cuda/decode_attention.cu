@@ -84,6 +84,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 // of 8); decode_fp8_tiles says how its kThreeCtas form fits them.
 constexpr int kFp8Stages = 4;
 constexpr int kFp8StagesThreeCtas = 3;
+// An A/B form of plain fp8 at two CTAs (KMLA_FP8_STAGES=5): 5 x 18,432 + 160 + 8,192 =
+// 100,512 B, two still fit (203,072 B per SM). Tests whether tiles further ahead help.
+constexpr int kFp8StagesDeepRing = 5;
 constexpr int kFp8SPartBytes = 4 * 4 * 32 * 16;
 __host__ __device__ constexpr int fp8_raw_stride(int entry_bytes) {
   return entry_bytes == kLatentDim ? kLatentDim : 704;
@@ -103,9 +106,13 @@ enum Fp8Kernel : int {
   kFp8DsMla = 2,
   kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
   kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
+  kFp8DeepRing = 8,   // flag: kFp8StagesDeepRing raw stages at two CTAs (plain fp8 only)
+  kFp8VPerm = 16,     // flag: plain fp8's V fragments by byte permutes (decode_fp8_tiles' kVPerm)
 };
 __host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
-  return fp8_kernel & kFp8ThreeCtas ? kFp8StagesThreeCtas : kFp8Stages;
+  return fp8_kernel & kFp8ThreeCtas  ? kFp8StagesThreeCtas
+         : fp8_kernel & kFp8DeepRing ? kFp8StagesDeepRing
+                                     : kFp8Stages;
 }
 
 struct SmemPlan {
@@ -393,19 +400,31 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // default tile rule) the products are the same numbers as bf16(code * scale) times bf16(p);
 // with amax-rule scales S uses the exact code * scale (no bf16 rounding of the key) and P V
 // rounds p * scale once instead of p and code * scale apart: within the same tolerance.
+//
+// kVPerm (plain fp8 on f16 mma; A/B switch KMLA_FP8_VPERM=1): P V builds its B fragments
+// from the raw tile with byte permutes instead of transposing the S fragments (movmatrix).
+// A B fragment register holds keys (2 t, 2 t + 1) of one column; so n-tile j, column index g
+// of warp w is output column 128 w + 16 g + j, and thread (g, t) loads per k-step the
+// 16-byte chunk 8 w + g of key rows 16 k + 2 t + {0, 1, 8, 9}: one byte permute pairs
+// the two keys' codes of two columns, one cvt converts a pair. Per thread and tile: 8
+// 16-byte loads (conflict-free: the four rows share h(2 t), and g ^ h(2 t) covers all 8
+// slots), 32 permutes and 64 conversions instead of 64 movmatrix, and the converted S
+// codes are not kept. Thread t then holds the 32 contiguous output columns 128 w + 32 t ..
+// + 31 of its two rows. Same values and sums as movmatrix.
 template <class T, bool kPlain, bool kF16Mma, bool kSplitSum, bool kThreeCtas, bool kFoldScale,
-          class KeyCount>
+          int kRawStages, bool kVPerm, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
   static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
+  static_assert(!kVPerm || kF16Mma);
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
   constexpr int kChunks = kEntry / 16;  // 36 or 41 per raw row
-  constexpr int S = kThreeCtas ? kFp8StagesThreeCtas : kFp8Stages;
+  constexpr int S = kRawStages;  // raw stages: kFp8Stages, or see fp8_stages
   const SmemPlan sp = smem_plan(16, kEntry, kStages, S);
   std::byte* const raw_s = smem + sp.raw;
   uint8_t* const key_ok_s = reinterpret_cast<uint8_t*>(smem + sp.key_ok);
@@ -807,23 +826,49 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
                               pack_p(p_of(2 * k, 2), p_of(2 * k, 3)),
                               pack_p(p_of(2 * k + 1, 0), p_of(2 * k + 1, 1)),
                               pack_p(p_of(2 * k + 1, 2), p_of(2 * k + 1, 3))};
+      if constexpr (kVPerm) {
+        const int chunk = (8 * warp + g) ^ fp8_swz_h(2 * tq);  // same h for all four rows
+        uint4 r4[4];  // key rows 16 k + 2 t + {0, 1, 8, 9}
 #pragma unroll
-      for (int bi = 0; bi < 2; ++bi) {
-        uint4 w0{}, w1{};  // kThreeCtas: n-tiles 2 k and 2 k + 1 again, from the raw tile
-        if constexpr (kThreeCtas) {
-          w0 = code_chunk(bi, 2 * k);
-          w1 = code_chunk(bi, 2 * k + 1);
-        }
-        const uint32_t ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
+        for (int i = 0; i < 4; ++i)
+          r4[i] = *reinterpret_cast<const uint4*>(
+              tile + (16 * k + 2 * tq + (i & 1) + 8 * (i >> 1)) * kStride + chunk * 16);
 #pragma unroll
-        for (int st = 0; st < 4; ++st)
+        for (int wi = 0; wi < 4; ++wi) {
+          const uint32_t x[4] = {(&r4[0].x)[wi], (&r4[1].x)[wi], (&r4[2].x)[wi], (&r4[3].x)[wi]};
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t b0 = kThreeCtas ? convert(ws0[st], 2 * k, h) : kf[bi][st][2 * k][h];
-            const uint32_t b1 =
-                kThreeCtas ? convert(ws1[st], 2 * k + 1, h) : kf[bi][st][2 * k + 1][h];
-            mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(b0), movmatrix_trans(b1));
+          for (int half = 0; half < 2; ++half) {
+            // [key 2 t, key 2 t + 1] codes of columns 4 wi + 2 half (low) and + 1 (high)
+            const uint32_t sel = half ? 0x7362u : 0x5140u;
+            const uint32_t p01 = __byte_perm(x[0], x[1], sel), p89 = __byte_perm(x[2], x[3], sel);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = 4 * wi + 2 * half + e;
+              mma_16816<M>(acc[j], pa, e4m3x2_to_act<M>(e ? p01 >> 16 : p01),
+                           e4m3x2_to_act<M>(e ? p89 >> 16 : p89));
+            }
           }
+        }
+      } else {
+#pragma unroll
+        for (int bi = 0; bi < 2; ++bi) {
+          uint4 w0{}, w1{};  // kThreeCtas: n-tiles 2 k and 2 k + 1 again, from the raw tile
+          if constexpr (kThreeCtas) {
+            w0 = code_chunk(bi, 2 * k);
+            w1 = code_chunk(bi, 2 * k + 1);
+          }
+          const uint32_t ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+          for (int st = 0; st < 4; ++st)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t b0 = kThreeCtas ? convert(ws0[st], 2 * k, h) : kf[bi][st][2 * k][h];
+              const uint32_t b1 =
+                  kThreeCtas ? convert(ws1[st], 2 * k + 1, h) : kf[bi][st][2 * k + 1][h];
+              mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(b0),
+                           movmatrix_trans(b1));
+            }
+        }
       }
     }
   }
@@ -844,33 +889,64 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // kF16Mma: P was stored times 2^12
     const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale * (1.0f / 4096.0f) : a.v_scale) / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
-    // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
-    const int col0 = 128 * warp + 16 * tq;
-    if (work.direct) {
-      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+    if constexpr (kVPerm) {
+      // acc[j][2 half + h]: column 128 warp + 32 t + 16 h + j
+      const int col0 = 128 * warp + 32 * tq;
+      if (work.direct) {
+        T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
-      for (int bi = 0; bi < 2; ++bi) {
-        uint32_t w[8];
+        for (int h = 0; h < 2; ++h) {
+          uint32_t w[8];
 #pragma unroll
-        for (int m = 0; m < 8; ++m)
-          w[m] = pack2<T>(acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv);
-        *reinterpret_cast<uint4*>(out + 64 * bi) = make_uint4(w[0], w[1], w[2], w[3]);
-        *reinterpret_cast<uint4*>(out + 64 * bi + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+          for (int m = 0; m < 8; ++m)
+            w[m] = pack2<T>(acc[2 * m][2 * half + h] * inv, acc[2 * m + 1][2 * half + h] * inv);
+          *reinterpret_cast<uint4*>(out + 16 * h) = make_uint4(w[0], w[1], w[2], w[3]);
+          *reinterpret_cast<uint4*>(out + 16 * h + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+        if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
+      } else {
+        const int64_t wi = work.part + int64_t(row) * work.part_stride;
+        if (!empty) {
+          float* o = a.ws_o + wi * kKvLoraRank + col0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int m = 0; m < 16; m += 4)
+              *reinterpret_cast<float4*>(o + 16 * h + m) = make_float4(
+                  acc[m][2 * half + h] * inv, acc[m + 1][2 * half + h] * inv,
+                  acc[m + 2][2 * half + h] * inv, acc[m + 3][2 * half + h] * inv);
+        }
+        if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
       }
-      if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
     } else {
-      const int64_t wi = work.part + int64_t(row) * work.part_stride;
-      if (!empty) {
-        float* o = a.ws_o + wi * kKvLoraRank + col0;
+      // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
+      const int col0 = 128 * warp + 16 * tq;
+      if (work.direct) {
+        T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
-        for (int bi = 0; bi < 2; ++bi)
+        for (int bi = 0; bi < 2; ++bi) {
+          uint32_t w[8];
 #pragma unroll
-          for (int m = 0; m < 8; m += 2)
-            *reinterpret_cast<float4*>(o + 64 * bi + 2 * m) = make_float4(
-                acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv,
-                acc[8 * bi + m + 1][2 * half] * inv, acc[8 * bi + m + 1][2 * half + 1] * inv);
+          for (int m = 0; m < 8; ++m)
+            w[m] = pack2<T>(acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv);
+          *reinterpret_cast<uint4*>(out + 64 * bi) = make_uint4(w[0], w[1], w[2], w[3]);
+          *reinterpret_cast<uint4*>(out + 64 * bi + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+        if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
+      } else {
+        const int64_t wi = work.part + int64_t(row) * work.part_stride;
+        if (!empty) {
+          float* o = a.ws_o + wi * kKvLoraRank + col0;
+#pragma unroll
+          for (int bi = 0; bi < 2; ++bi)
+#pragma unroll
+            for (int m = 0; m < 8; m += 2)
+              *reinterpret_cast<float4*>(o + 64 * bi + 2 * m) = make_float4(
+                  acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv,
+                  acc[8 * bi + m + 1][2 * half] * inv, acc[8 * bi + m + 1][2 * half + 1] * inv);
+        }
+        if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
       }
-      if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
     }
   }
 }
@@ -934,19 +1010,25 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path (Fp8Kernel).
-    constexpr int kV = kFp8 & ~kFp8ThreeCtas;
+    constexpr int kV = kFp8 & ~(kFp8ThreeCtas | kFp8DeepRing | kFp8VPerm);
     constexpr bool k3 = (kFp8 & kFp8ThreeCtas) != 0;
+    constexpr bool kVp = (kFp8 & kFp8VPerm) != 0;
+    constexpr int kS = fp8_stages(kFp8);
     if constexpr (kV == kFp8Generic) {
-      static_assert(!k3);
+      static_assert(kFp8 == kFp8Generic);
       if (a.format == CacheFormat::fp8)
-        decode_fp8_tiles<T, true, false, false, false, false>(a, smem, work, ntiles, key_count);
+        decode_fp8_tiles<T, true, false, false, false, false, kS, false>(a, smem, work, ntiles,
+                                                                          key_count);
       else
-        decode_fp8_tiles<T, false, false, true, false, false>(a, smem, work, ntiles, key_count);
+        decode_fp8_tiles<T, false, false, true, false, false, kS, false>(a, smem, work, ntiles,
+                                                                          key_count);
     } else if constexpr (kV == kFp8PlainF16) {
-      decode_fp8_tiles<T, true, true, false, k3, false>(a, smem, work, ntiles, key_count);
+      decode_fp8_tiles<T, true, true, false, k3, false, kS, kVp>(a, smem, work, ntiles,
+                                                                 key_count);
     } else {
-      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold>(a, smem, work, ntiles,
-                                                                        key_count);
+      static_assert(!(kFp8 & (kFp8DeepRing | kFp8VPerm)));
+      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS, false>(
+          a, smem, work, ntiles, key_count);
     }
     return;
   }
@@ -1592,18 +1674,31 @@ int env_int(const char* name, int fallback) {
 // are powers of two applied after the mma, measured slower, 425 against 352 us, and was
 // dropped.) Also measured and dropped (2026-12-03): converting half or all of the key codes
 // on the integer pipe instead of the conversion unit, 276.6 / 301.6 against 256.7 us.
-// KMLA_FP8_DSFOLD=1 (read at every launch, an A/B switch until measured; the tests set it)
-// runs fp8_ds_mla with its scales folded into S and P (decode_fp8_tiles, kFoldScale).
-int fp8_kernel_variant(CacheFormat format, int ctas) {
+// fp8_ds_mla folds its scales into S and P (decode_fp8_tiles, kFoldScale) when they are
+// powers of two (`pow2_scales`: CacheRef::tile_rule, the default rule), where that gives the
+// same products; amax-rule scales keep bf16(code * scale). Measured on H200 (2026-12-03,
+// (128, 12, 8k)): 333.8 against 345.4 us at two CTAs, 327.4 at three. KMLA_FP8_DSFOLD=0
+// turns it off and KMLA_FP8_STAGES=5 gives plain fp8 at two CTAs a 5-stage ring (both read
+// at every launch, A/B switches; the tests set them).
+int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   static const bool f16mma = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
     return e == nullptr || std::string_view(e) != "bf16mma";
   }();
   const int three = ctas == 3 ? kFp8ThreeCtas : 0;
-  if (format == CacheFormat::fp8) return f16mma ? kFp8PlainF16 | three : kFp8Generic;
-  const int fold = env_int("KMLA_FP8_DSFOLD", 0);
+  if (format == CacheFormat::fp8) {
+    const int stages = env_int("KMLA_FP8_STAGES", kFp8Stages);
+    KMLA_CHECK(stages == kFp8Stages || stages == kFp8StagesDeepRing,
+               "decode: KMLA_FP8_STAGES must be 4 or 5, got ", stages);
+    const int vperm = env_int("KMLA_FP8_VPERM", 0);
+    KMLA_CHECK(vperm == 0 || vperm == 1, "decode: KMLA_FP8_VPERM must be 0 or 1, got ", vperm);
+    // (KMLA_FP8_VPERM wins over KMLA_FP8_STAGES: the two are not compiled together)
+    const int deep = stages == kFp8StagesDeepRing && !three && !vperm ? kFp8DeepRing : 0;
+    return f16mma ? kFp8PlainF16 | three | deep | (vperm ? kFp8VPerm : 0) : kFp8Generic;
+  }
+  const int fold = env_int("KMLA_FP8_DSFOLD", 1);
   KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
-  if (fold) return kFp8DsMlaFold | three;
+  if (fold && pow2_scales) return kFp8DsMlaFold | three;
   return three ? kFp8DsMla | three : kFp8Generic;
 }
 
@@ -1614,18 +1709,30 @@ void launch_fp8_variant(const DecodeArgs& args, dim3 grid, cudaStream_t stream) 
   const int smem_bytes = smem_plan(16, args.entry_bytes, kStages, fp8_stages(kFp8)).total;
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  // Three CTAs need (almost) all of the SM's 228 KB as shared memory: ask for it, rather
+  // than leave the L1 / shared split to the driver's heuristic.
+  if constexpr ((kFp8 & kFp8ThreeCtas) != 0)
+    KMLA_CUDA_CHECK(cudaFuncSetAttribute(variant, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
   variant<<<grid, 128, smem_bytes, stream>>>(args);
   KMLA_LAUNCH_CHECK();
 }
 
-// fp8_ctas: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row 2-stage kernels only).
+// fp8_ctas: DecodePlan::fp8_ctas_per_sm; pow2_scales: fp8_ds_mla's tile scales are powers
+// of two (both for the fp8 formats' 16-row 2-stage kernels only).
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
 void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream,
-                    int fp8_ctas = 2) {
+                    int fp8_ctas = 2, bool pow2_scales = false) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
-    switch (fp8_kernel_variant(args.format, fp8_ctas)) {
+    switch (fp8_kernel_variant(args.format, fp8_ctas, pow2_scales)) {
       case kFp8PlainF16:
         return launch_fp8_variant<T, kFp8PlainF16>(args, grid, stream);
+      case kFp8PlainF16 | kFp8DeepRing:
+        return launch_fp8_variant<T, kFp8PlainF16 | kFp8DeepRing>(args, grid, stream);
+      case kFp8PlainF16 | kFp8VPerm:
+        return launch_fp8_variant<T, kFp8PlainF16 | kFp8VPerm>(args, grid, stream);
+      case kFp8PlainF16 | kFp8ThreeCtas | kFp8VPerm:
+        return launch_fp8_variant<T, kFp8PlainF16 | kFp8ThreeCtas | kFp8VPerm>(args, grid, stream);
       case kFp8PlainF16 | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8PlainF16 | kFp8ThreeCtas>(args, grid, stream);
       case kFp8DsMla | kFp8ThreeCtas:
@@ -1694,10 +1801,12 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   int smem =
       (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
       1024;
-  // The fp8 formats' 16-row kernels at three CTAs per SM (an A/B switch until measured):
-  // their own shared memory (and launch bounds) then allow three.
+  // The fp8 formats' 16-row kernels at three CTAs per SM: their own shared memory (and launch
+  // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): fp8_ds_mla with
+  // folded scales 327.4 against 333.8 us at two, plain fp8 260.1 against 255.9; so
+  // fp8_ds_mla takes three by default, plain fp8 two. KMLA_FP8_CTAS=2|3 sets both (A/B).
   const bool fp8 = format == CacheFormat::fp8 || format == CacheFormat::fp8_ds_mla;
-  const int fp8_ctas = env_int("KMLA_FP8_CTAS", 2);
+  const int fp8_ctas = env_int("KMLA_FP8_CTAS", format == CacheFormat::fp8_ds_mla ? 3 : 2);
   KMLA_CHECK(fp8_ctas == 2 || fp8_ctas == 3, "decode: KMLA_FP8_CTAS must be 2 or 3, got ",
              fp8_ctas);
   if (fp8 && fp8_ctas == 3 && !portable && !plan.deep_pipeline && plan.rows_per_cta == 16) {
@@ -1859,7 +1968,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
     } else if (rows == 16) {
-      convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm)
+      convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
+                                            p.cache.tile_rule == TileScaleRule::power_of_two)
               : launch_splitkv<T, 16, false>(a, grid, smem, stream);
     } else if (rows == 32) {
       convert ? launch_splitkv<T, 32, true>(a, grid, smem, stream)

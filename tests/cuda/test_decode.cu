@@ -885,15 +885,19 @@ TEST(CudaDecode, Fp8FragmentPathShapes) {
   }
 }
 
-// Sets an environment variable for one scope (plan_decode reads KMLA_FP8_CTAS and the
-// launch KMLA_FP8_DSFOLD at every call), restoring the old value after.
+// Sets (or, with nullptr, unsets) an environment variable for one scope (plan_decode reads
+// KMLA_FP8_CTAS and the launch KMLA_FP8_DSFOLD / KMLA_FP8_STAGES at every call), restoring
+// the old value after.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     const char* old = std::getenv(name);
     had_ = old != nullptr;
     if (had_) old_ = old;
-    setenv(name, value, 1);
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
   }
   ~ScopedEnv() {
     if (had_)
@@ -908,24 +912,34 @@ class ScopedEnv {
   std::string old_;
 };
 
-// The fragment-path kernels beside the default ones, under bf16 activations: three CTAs per
-// SM (DecodePlan::fp8_ctas_per_sm = 3: 3 raw stages, P V converting its codes a second time
-// from the raw tile) for both formats, and fp8_ds_mla with its scales folded into S and P
-// (KMLA_FP8_DSFOLD=1) at two and three CTAs, each next to the default kernel on the same
-// cases. Block sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths
-// around the 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8,
-// fp8_ds_mla tile scales up to 2^6 apart inside a row and between keys, and amax-rule
-// (not power-of-two) scales, so a code pair in the wrong k-index, a stage of the smaller
-// ring read too early, a scale on the wrong key or group (in S or in P), or a partial S
-// from the wrong warp shows. The 3-CTA plans also go through the balanced schedule with
-// hundreds of workers, so a CTA runs several pieces back to back over the ring.
+// Every fragment-path kernel under bf16 activations, on the same cases: two and three CTAs
+// per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw stages, P V converting its codes a second
+// time from the raw tile), fp8_ds_mla with its scales folded into S and P (the default for
+// power-of-two scales) and not (KMLA_FP8_DSFOLD=0), plain fp8 with a 5-stage ring
+// (KMLA_FP8_STAGES=5) and with its V fragments built by byte permutes (KMLA_FP8_VPERM=1,
+// which also moves every output column to another lane). Block sizes 16 / 64 / 256 with head counts rotating through 1, 3,
+// 12, 16, lengths around the 32-key tile and the 3-, 4- and 5-tile rings, plain fp8 k_scale
+// 2^-20 and 8, fp8_ds_mla tile scales up to 2^6 apart inside a row and between keys, and
+// amax-rule scales (not powers of two: these must not be folded, the fold would round
+// differently), so a code pair in the wrong k-index, a stage of a ring read too early, a
+// scale on the wrong key or group (in S or in P), or a partial S from the wrong warp shows.
+// The plans also go through the per-request splits and the balanced schedule with hundreds
+// of workers, so a CTA runs several pieces back to back over the ring.
 TEST(CudaDecode, Fp8FragmentPathVariants) {
   KMLA_REQUIRE_GPU();
   uint64_t seed = 400;
-  for (const char* fold : {"0", "1"}) {
-    ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
+  struct Switches {
+    const char* fold;
+    const char* stages;
+    const char* vperm;
+  };
+  for (const Switches sw : {Switches{"1", "4", "0"}, Switches{"0", "5", "0"},
+                            Switches{"1", "4", "1"}}) {
+    ScopedEnv fold_env("KMLA_FP8_DSFOLD", sw.fold);
+    ScopedEnv stages_env("KMLA_FP8_STAGES", sw.stages);
+    ScopedEnv vperm_env("KMLA_FP8_VPERM", sw.vperm);
     for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-      if (fold[0] == '1' && format == CacheFormat::fp8) continue;  // fp8_ds_mla only
+      if (sw.vperm[0] == '1' && format != CacheFormat::fp8) continue;  // plain fp8 only
       for (int i = 0; i < 5; ++i) {
         const int bs = i >= 3 ? 64 : 16 << (2 * i);
         const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + int(format)) % 4];
@@ -941,27 +955,31 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
         c.heads = heads;
         c.block_size = bs;
         const int q = std::max(1, std::min(4, 16 / heads));
-        c.seq_lens = {31, 32, 33, 0, 95, 96, 97, 128, 129, 1000};
-        c.query_lens = {1, q, 1, 0, q, 1, q, 1, q, q};
+        c.seq_lens = {31, 32, 33, 0, 95, 96, 97, 128, 129, 160, 161, 1000};
+        c.query_lens = {1, q, 1, 0, q, 1, q, 1, q, 1, q, q};
         c.seed = seed++;
         SCOPED_TRACE(::testing::Message()
-                     << cache_format_name(format) << ", fold " << fold << ", block size " << bs
-                     << ", heads " << heads << (i == 4 ? ", amax scales" : ""));
-        PlanTweak three;
-        three.fp8_ctas = 3;
-        PlanTweak three_split = three, three_balanced = three;
-        three_split.num_splits = 3;
-        three_split.rows_per_cta = 16;
-        three_balanced.workers = 300;
-        three_balanced.rows_per_cta = 16;
-        run_case(c, {{0, 16}, {3, 16}, three, three_split, three_balanced});
+                     << cache_format_name(format) << ", fold " << sw.fold << ", stages "
+                     << sw.stages << ", vperm " << sw.vperm << ", block size " << bs << ", heads " << heads
+                     << (i == 4 ? ", amax scales" : ""));
+        std::vector<PlanTweak> tweaks;
+        for (int ctas : {2, 3}) {
+          PlanTweak plan, split, balanced;
+          plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
+          split.num_splits = 3;
+          balanced.workers = 300;
+          plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
+          tweaks.insert(tweaks.end(), {plan, split, balanced});
+        }
+        run_case(c, tweaks);
       }
     }
   }
 }
 
-// KMLA_FP8_CTAS=3 gives plans made for an fp8 format with 16-row tiles three CTAs per SM and
-// 1.5 times the balanced workers; every other plan keeps two; bad values are errors.
+// Plans made for fp8_ds_mla with 16-row tiles get three CTAs per SM and 1.5 times the
+// balanced workers, plain fp8 two; KMLA_FP8_CTAS=2|3 sets both; every other plan keeps two;
+// bad values are errors.
 TEST(CudaDecode, PlanFp8CtasPerSm) {
   KMLA_REQUIRE_GPU();
   int device = 0, smem_per_sm = 0;
@@ -976,6 +994,15 @@ TEST(CudaDecode, PlanFp8CtasPerSm) {
   }();
   EXPECT_EQ(ref.fp8_ctas_per_sm, 2);
   ASSERT_EQ(ref.schedule, DecodeSchedule::balanced);
+  {
+    ScopedEnv unset("KMLA_FP8_CTAS", nullptr);
+    const DecodePlan ds = plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8_ds_mla);
+    EXPECT_EQ(ds.fp8_ctas_per_sm, fits ? 3 : 2);
+    EXPECT_EQ(ds.num_workers * 2, ref.num_workers * (fits ? 3 : 2));
+    const DecodePlan plain = plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8);
+    EXPECT_EQ(plain.fp8_ctas_per_sm, 2);
+    EXPECT_EQ(plain.num_workers, ref.num_workers);
+  }
   ScopedEnv three("KMLA_FP8_CTAS", "3");
   for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
     const DecodePlan p = plan_decode(128, 12, 1, 8192, false, false, format);
