@@ -107,7 +107,7 @@ enum Fp8Kernel : int {
   kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
   kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
   kFp8DeepRing = 8,   // flag: kFp8StagesDeepRing raw stages at two CTAs (plain fp8 only)
-  kFp8VPerm = 16,     // flag: plain fp8's V fragments by byte permutes (decode_fp8_tiles' kVPerm)
+  kFp8VPerm = 16,     // flag: V fragments by byte permutes (decode_fp8_tiles' kVPerm)
 };
 __host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
   return fp8_kernel & kFp8ThreeCtas  ? kFp8StagesThreeCtas
@@ -401,7 +401,8 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // with amax-rule scales S uses the exact code * scale (no bf16 rounding of the key) and P V
 // rounds p * scale once instead of p and code * scale apart: within the same tolerance.
 //
-// kVPerm (plain fp8 on f16 mma; A/B switch KMLA_FP8_VPERM=1): P V builds its B fragments
+// kVPerm (plain fp8 on f16 mma, fp8_ds_mla with kFoldScale; A/B switch KMLA_FP8_VPERM=1):
+// P V builds its B fragments
 // from the raw tile with byte permutes instead of transposing the S fragments (movmatrix).
 // A B fragment register holds keys (2 t, 2 t + 1) of one column; so n-tile j, column index g
 // of warp w is output column 128 w + 16 g + j, and thread (g, t) loads per k-step the
@@ -419,7 +420,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
   static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
-  static_assert(!kVPerm || kF16Mma);
+  static_assert(!kVPerm || kF16Mma || kFoldScale);  // V fragments are the unscaled codes
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
@@ -1026,8 +1027,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       decode_fp8_tiles<T, true, true, false, k3, false, kS, kVp>(a, smem, work, ntiles,
                                                                  key_count);
     } else {
-      static_assert(!(kFp8 & (kFp8DeepRing | kFp8VPerm)));
-      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS, false>(
+      static_assert(!(kFp8 & kFp8DeepRing) && (!kVp || kV == kFp8DsMlaFold));
+      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS, kVp>(
           a, smem, work, ntiles, key_count);
     }
     return;
@@ -1677,9 +1678,10 @@ int env_int(const char* name, int fallback) {
 // fp8_ds_mla folds its scales into S and P (decode_fp8_tiles, kFoldScale) when they are
 // powers of two (`pow2_scales`: CacheRef::tile_rule, the default rule), where that gives the
 // same products; amax-rule scales keep bf16(code * scale). Measured on H200 (2026-12-03,
-// (128, 12, 8k)): 333.8 against 345.4 us at two CTAs, 327.4 at three. KMLA_FP8_DSFOLD=0
-// turns it off and KMLA_FP8_STAGES=5 gives plain fp8 at two CTAs a 5-stage ring (both read
-// at every launch, A/B switches; the tests set them).
+// (128, 12, 8k)): 333.8 against 345.4 us at two CTAs, 327.4 at three. A/B switches, read at
+// every launch (the tests set them): KMLA_FP8_DSFOLD=0 turns the fold off,
+// KMLA_FP8_STAGES=5 gives plain fp8 at two CTAs a 5-stage ring, KMLA_FP8_VPERM=1 builds the
+// V fragments by byte permutes (plain fp8 and folded fp8_ds_mla; kVPerm).
 int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   static const bool f16mma = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
@@ -1698,7 +1700,8 @@ int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   }
   const int fold = env_int("KMLA_FP8_DSFOLD", 1);
   KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
-  if (fold && pow2_scales) return kFp8DsMlaFold | three;
+  if (fold && pow2_scales)
+    return kFp8DsMlaFold | three | (env_int("KMLA_FP8_VPERM", 0) == 1 ? kFp8VPerm : 0);
   return three ? kFp8DsMla | three : kFp8Generic;
 }
 
@@ -1741,6 +1744,11 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
         return launch_fp8_variant<T, kFp8DsMlaFold>(args, grid, stream);
       case kFp8DsMlaFold | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas>(args, grid, stream);
+      case kFp8DsMlaFold | kFp8VPerm:
+        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8VPerm>(args, grid, stream);
+      case kFp8DsMlaFold | kFp8ThreeCtas | kFp8VPerm:
+        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas | kFp8VPerm>(args, grid,
+                                                                                stream);
       default:
         break;
     }

@@ -916,8 +916,9 @@ class ScopedEnv {
 // per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw stages, P V converting its codes a second
 // time from the raw tile), fp8_ds_mla with its scales folded into S and P (the default for
 // power-of-two scales) and not (KMLA_FP8_DSFOLD=0), plain fp8 with a 5-stage ring
-// (KMLA_FP8_STAGES=5) and with its V fragments built by byte permutes (KMLA_FP8_VPERM=1,
-// which also moves every output column to another lane). Block sizes 16 / 64 / 256 with head counts rotating through 1, 3,
+// (KMLA_FP8_STAGES=5), and plain fp8 and folded fp8_ds_mla with their V fragments built by
+// byte permutes (KMLA_FP8_VPERM=1, which also moves every output column to another lane;
+// the amax case then checks that the unfolded kernel ignores it). Block sizes 16 / 64 / 256 with head counts rotating through 1, 3,
 // 12, 16, lengths around the 32-key tile and the 3-, 4- and 5-tile rings, plain fp8 k_scale
 // 2^-20 and 8, fp8_ds_mla tile scales up to 2^6 apart inside a row and between keys, and
 // amax-rule scales (not powers of two: these must not be folded, the fold would round
@@ -939,7 +940,6 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
     ScopedEnv stages_env("KMLA_FP8_STAGES", sw.stages);
     ScopedEnv vperm_env("KMLA_FP8_VPERM", sw.vperm);
     for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-      if (sw.vperm[0] == '1' && format != CacheFormat::fp8) continue;  // plain fp8 only
       for (int i = 0; i < 5; ++i) {
         const int bs = i >= 3 ? 64 : 16 << (2 * i);
         const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + int(format)) % 4];
