@@ -397,13 +397,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // bf16(p_k * scale[k][w]) as its A operand (warp w's output columns are group w too).
 // Per thread and tile: 8 scale loads and 24 multiplies instead of 128 multiplies and 64
 // packs (twice that with kThreeCtas, which converts twice). With power-of-two scales (the
-// default tile rule) the products are the same numbers as bf16(code * scale) times bf16(p);
-// with amax-rule scales S uses the exact code * scale (no bf16 rounding of the key) and P V
-// rounds p * scale once instead of p and code * scale apart: within the same tolerance.
+// default tile rule, the only one it is used for) the products are the same numbers as
+// bf16(code * scale) times bf16(p). (Amax-rule scales are not folded: S would use the exact
+// code * scale instead of bf16(code * scale), which with large logits moved the LSE by more
+// than the tests' 1e-3.)
 //
 // kVPerm (plain fp8 on f16 mma, fp8_ds_mla with kFoldScale; A/B switch KMLA_FP8_VPERM=1):
-// P V builds its B fragments
-// from the raw tile with byte permutes instead of transposing the S fragments (movmatrix).
+// P V builds its B fragments from the raw tile with byte permutes instead of transposing
+// the S fragments (movmatrix).
 // A B fragment register holds keys (2 t, 2 t + 1) of one column; so n-tile j, column index g
 // of warp w is output column 128 w + 16 g + j, and thread (g, t) loads per k-step the
 // 16-byte chunk 8 w + g of key rows 16 k + 2 t + {0, 1, 8, 9}: one byte permute pairs
