@@ -67,11 +67,11 @@ struct DecodePlan {
   // arithmetic. plan_decode leaves it off (measured slower, see decode_attention.cu);
   // callers may set it on a GPU that fits it.
   bool deep_pipeline = false;
-  // CTAs per SM of the fp8 caches' 16-row kernels under bf16 activations (2 or 3; others
-  // ignore it). 3 runs a form with fewer raw stages and registers (decode_attention.cu,
-  // decode_fp8_tiles). plan_decode picks 3 for plans made for fp8_ds_mla and 2 otherwise
-  // (KMLA_FP8_CTAS=2|3 overrides it for both fp8 formats), and sizes the splits / workers
-  // for that many CTA slots per SM.
+  // CTAs per SM of the fp8_ds_mla cache's 16-row kernels under bf16 activations (2 or 3;
+  // other kernels ignore it). 3 runs a form with fewer raw stages and registers
+  // (decode_attention.cu, decode_fp8_tiles). plan_decode picks 3 for plans made for
+  // fp8_ds_mla where it fits (KMLA_FP8_CTAS=2 keeps 2) and 2 otherwise, and sizes the
+  // splits / workers for that many CTA slots per SM.
   int fp8_ctas_per_sm = 2;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
@@ -91,7 +91,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans). `format` is the
-// cache format the plan will run on; only the fp8 formats' CTAs per SM depend on it.
+// cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,
                        CacheFormat format = CacheFormat::bf16);

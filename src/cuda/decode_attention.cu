@@ -76,17 +76,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 //   plain fp8: 4 x 32 x 576 = 73,728 + flags 128 + S 8,192 = 82,048 B
 //   fp8_ds_mla: 4 x 32 x 704 = 90,112 + 128 + 8,192 = 98,432 B
 // (H200: 2 x (98,432 + 1,024 reserved) <= 233,472; the rows-16 bf16 kernel, 94,016 B, also
-// fits two.) Three CTAs per SM (fp8_ctas_per_sm = 3; bf16 activations) leave each CTA
-// 233,472 / 3 - 1,024 = 76,800 B, so kFp8StagesThreeCtas raw stages:
-//   plain fp8: 3 x 18,432 = 55,296 + flags 96 + S 8,192 = 63,584 B
+// fits two.) Three CTAs per SM (fp8_ctas_per_sm = 3; fp8_ds_mla, bf16 activations: the
+// default where it fits) leave each CTA 233,472 / 3 - 1,024 = 76,800 B, so
+// kFp8StagesThreeCtas raw stages:
 //   fp8_ds_mla: 3 x 22,528 = 67,584 + 96 + 8,192 = 75,872 B (3 x 76,896 = 230,688 B per SM)
 // and 65,536 / (3 x 128 threads) = 170, i.e. 168 registers per thread (allocated in steps
-// of 8); decode_fp8_tiles says how its kThreeCtas form fits them.
+// of 8); decode_fp8_tiles says how its kThreeCtas form fits them. (Plain fp8 at three CTAs,
+// 63,584 B, measured slower and was dropped.)
 constexpr int kFp8Stages = 4;
 constexpr int kFp8StagesThreeCtas = 3;
-// An A/B form of plain fp8 at two CTAs (KMLA_FP8_STAGES=5): 5 x 18,432 + 160 + 8,192 =
-// 100,512 B, two still fit (203,072 B per SM). Tests whether tiles further ahead help.
-constexpr int kFp8StagesDeepRing = 5;
 constexpr int kFp8SPartBytes = 4 * 4 * 32 * 16;
 __host__ __device__ constexpr int fp8_raw_stride(int entry_bytes) {
   return entry_bytes == kLatentDim ? kLatentDim : 704;
@@ -96,23 +94,19 @@ __host__ __device__ constexpr bool fp8_fragment_path(int rows, int raw_entry_byt
 }
 // The fragment-path kernels (decode_fp8_tiles). kFp8Generic reads the format at run time and
 // runs T mma: plain fp8 as is, fp8_ds_mla with the split sum. It serves f16 activations,
-// KMLA_FP8_DECODE=bf16mma and fp8_ds_mla under bf16 at two CTAs per SM. The others are
-// bf16-activation kernels of one format: plain fp8 on f16 mma (kF16Mma) at two or three
-// CTAs per SM, fp8_ds_mla at three, and fp8_ds_mla with the scales folded into S and P
-// (kFoldScale) at two or three.
+// KMLA_FP8_DECODE=bf16mma and amax-scaled fp8_ds_mla under bf16 at two CTAs per SM. The
+// others are bf16-activation kernels of one format: plain fp8 on f16 mma (kF16Mma);
+// fp8_ds_mla with the scales folded into S and P (kFoldScale, power-of-two scales) at two
+// or three CTAs per SM, and without (amax scales) at three.
 enum Fp8Kernel : int {
   kFp8Generic = 0,
   kFp8PlainF16 = 1,
   kFp8DsMla = 2,
   kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
   kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
-  kFp8DeepRing = 8,   // flag: kFp8StagesDeepRing raw stages at two CTAs (plain fp8 only)
-  kFp8VPerm = 16,     // flag: V fragments by byte permutes (decode_fp8_tiles' kVPerm)
 };
 __host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
-  return fp8_kernel & kFp8ThreeCtas  ? kFp8StagesThreeCtas
-         : fp8_kernel & kFp8DeepRing ? kFp8StagesDeepRing
-                                     : kFp8Stages;
+  return fp8_kernel & kFp8ThreeCtas ? kFp8StagesThreeCtas : kFp8Stages;
 }
 
 struct SmemPlan {
@@ -401,27 +395,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // bf16(code * scale) times bf16(p). (Amax-rule scales are not folded: S would use the exact
 // code * scale instead of bf16(code * scale), which with large logits moved the LSE by more
 // than the tests' 1e-3.)
-//
-// kVPerm (plain fp8 on f16 mma, fp8_ds_mla with kFoldScale; A/B switch KMLA_FP8_VPERM=1):
-// P V builds its B fragments from the raw tile with byte permutes instead of transposing
-// the S fragments (movmatrix).
-// A B fragment register holds keys (2 t, 2 t + 1) of one column; so n-tile j, column index g
-// of warp w is output column 128 w + 16 g + j, and thread (g, t) loads per k-step the
-// 16-byte chunk 8 w + g of key rows 16 k + 2 t + {0, 1, 8, 9}: one byte permute pairs
-// the two keys' codes of two columns, one cvt converts a pair. Per thread and tile: 8
-// 16-byte loads (conflict-free: the four rows share h(2 t), and g ^ h(2 t) covers all 8
-// slots), 32 permutes and 64 conversions instead of 64 movmatrix, and the converted S
-// codes are not kept. Thread t then holds the 32 contiguous output columns 128 w + 32 t ..
-// + 31 of its two rows. Same values and sums as movmatrix.
 template <class T, bool kPlain, bool kF16Mma, bool kSplitSum, bool kThreeCtas, bool kFoldScale,
-          int kRawStages, bool kVPerm, class KeyCount>
+          int kRawStages, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
   static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
-  static_assert(!kVPerm || kF16Mma || kFoldScale);  // V fragments are the unscaled codes
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
@@ -828,49 +809,24 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
                               pack_p(p_of(2 * k, 2), p_of(2 * k, 3)),
                               pack_p(p_of(2 * k + 1, 0), p_of(2 * k + 1, 1)),
                               pack_p(p_of(2 * k + 1, 2), p_of(2 * k + 1, 3))};
-      if constexpr (kVPerm) {
-        const int chunk = (8 * warp + g) ^ fp8_swz_h(2 * tq);  // same h for all four rows
-        uint4 r4[4];  // key rows 16 k + 2 t + {0, 1, 8, 9}
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          r4[i] = *reinterpret_cast<const uint4*>(
-              tile + (16 * k + 2 * tq + (i & 1) + 8 * (i >> 1)) * kStride + chunk * 16);
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          const uint32_t x[4] = {(&r4[0].x)[wi], (&r4[1].x)[wi], (&r4[2].x)[wi], (&r4[3].x)[wi]};
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            // [key 2 t, key 2 t + 1] codes of columns 4 wi + 2 half (low) and + 1 (high)
-            const uint32_t sel = half ? 0x7362u : 0x5140u;
-            const uint32_t p01 = __byte_perm(x[0], x[1], sel), p89 = __byte_perm(x[2], x[3], sel);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int j = 4 * wi + 2 * half + e;
-              mma_16816<M>(acc[j], pa, e4m3x2_to_act<M>(e ? p01 >> 16 : p01),
-                           e4m3x2_to_act<M>(e ? p89 >> 16 : p89));
-            }
-          }
+      for (int bi = 0; bi < 2; ++bi) {
+        uint4 w0{}, w1{};  // kThreeCtas: n-tiles 2 k and 2 k + 1 again, from the raw tile
+        if constexpr (kThreeCtas) {
+          w0 = code_chunk(bi, 2 * k);
+          w1 = code_chunk(bi, 2 * k + 1);
         }
-      } else {
+        const uint32_t ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-        for (int bi = 0; bi < 2; ++bi) {
-          uint4 w0{}, w1{};  // kThreeCtas: n-tiles 2 k and 2 k + 1 again, from the raw tile
-          if constexpr (kThreeCtas) {
-            w0 = code_chunk(bi, 2 * k);
-            w1 = code_chunk(bi, 2 * k + 1);
+        for (int st = 0; st < 4; ++st)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t b0 = kThreeCtas ? convert(ws0[st], 2 * k, h) : kf[bi][st][2 * k][h];
+            const uint32_t b1 =
+                kThreeCtas ? convert(ws1[st], 2 * k + 1, h) : kf[bi][st][2 * k + 1][h];
+            mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(b0),
+                         movmatrix_trans(b1));
           }
-          const uint32_t ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-          for (int st = 0; st < 4; ++st)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t b0 = kThreeCtas ? convert(ws0[st], 2 * k, h) : kf[bi][st][2 * k][h];
-              const uint32_t b1 =
-                  kThreeCtas ? convert(ws1[st], 2 * k + 1, h) : kf[bi][st][2 * k + 1][h];
-              mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(b0),
-                           movmatrix_trans(b1));
-            }
-        }
       }
     }
   }
@@ -891,64 +847,33 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // kF16Mma: P was stored times 2^12
     const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale * (1.0f / 4096.0f) : a.v_scale) / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
-    if constexpr (kVPerm) {
-      // acc[j][2 half + h]: column 128 warp + 32 t + 16 h + j
-      const int col0 = 128 * warp + 32 * tq;
-      if (work.direct) {
-        T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+    // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
+    const int col0 = 128 * warp + 16 * tq;
+    if (work.direct) {
+      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t w[8];
+      for (int bi = 0; bi < 2; ++bi) {
+        uint32_t w[8];
 #pragma unroll
-          for (int m = 0; m < 8; ++m)
-            w[m] = pack2<T>(acc[2 * m][2 * half + h] * inv, acc[2 * m + 1][2 * half + h] * inv);
-          *reinterpret_cast<uint4*>(out + 16 * h) = make_uint4(w[0], w[1], w[2], w[3]);
-          *reinterpret_cast<uint4*>(out + 16 * h + 8) = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-        if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
-      } else {
-        const int64_t wi = work.part + int64_t(row) * work.part_stride;
-        if (!empty) {
-          float* o = a.ws_o + wi * kKvLoraRank + col0;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int m = 0; m < 16; m += 4)
-              *reinterpret_cast<float4*>(o + 16 * h + m) = make_float4(
-                  acc[m][2 * half + h] * inv, acc[m + 1][2 * half + h] * inv,
-                  acc[m + 2][2 * half + h] * inv, acc[m + 3][2 * half + h] * inv);
-        }
-        if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
+        for (int m = 0; m < 8; ++m)
+          w[m] = pack2<T>(acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv);
+        *reinterpret_cast<uint4*>(out + 64 * bi) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(out + 64 * bi + 8) = make_uint4(w[4], w[5], w[6], w[7]);
       }
+      if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
     } else {
-      // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
-      const int col0 = 128 * warp + 16 * tq;
-      if (work.direct) {
-        T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+      const int64_t wi = work.part + int64_t(row) * work.part_stride;
+      if (!empty) {
+        float* o = a.ws_o + wi * kKvLoraRank + col0;
 #pragma unroll
-        for (int bi = 0; bi < 2; ++bi) {
-          uint32_t w[8];
+        for (int bi = 0; bi < 2; ++bi)
 #pragma unroll
-          for (int m = 0; m < 8; ++m)
-            w[m] = pack2<T>(acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv);
-          *reinterpret_cast<uint4*>(out + 64 * bi) = make_uint4(w[0], w[1], w[2], w[3]);
-          *reinterpret_cast<uint4*>(out + 64 * bi + 8) = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-        if (warp == 0 && tq == 0) a.lse[out_row0 + row] = lse;
-      } else {
-        const int64_t wi = work.part + int64_t(row) * work.part_stride;
-        if (!empty) {
-          float* o = a.ws_o + wi * kKvLoraRank + col0;
-#pragma unroll
-          for (int bi = 0; bi < 2; ++bi)
-#pragma unroll
-            for (int m = 0; m < 8; m += 2)
-              *reinterpret_cast<float4*>(o + 64 * bi + 2 * m) = make_float4(
-                  acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv,
-                  acc[8 * bi + m + 1][2 * half] * inv, acc[8 * bi + m + 1][2 * half + 1] * inv);
-        }
-        if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
+          for (int m = 0; m < 8; m += 2)
+            *reinterpret_cast<float4*>(o + 64 * bi + 2 * m) = make_float4(
+                acc[8 * bi + m][2 * half] * inv, acc[8 * bi + m][2 * half + 1] * inv,
+                acc[8 * bi + m + 1][2 * half] * inv, acc[8 * bi + m + 1][2 * half + 1] * inv);
       }
+      if (warp == 0 && tq == 0) a.ws_lse[wi] = lse;
     }
   }
 }
@@ -1012,25 +937,23 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
     // fp8 formats, 16 rows: the register-fragment path (Fp8Kernel).
-    constexpr int kV = kFp8 & ~(kFp8ThreeCtas | kFp8DeepRing | kFp8VPerm);
+    constexpr int kV = kFp8 & ~kFp8ThreeCtas;
     constexpr bool k3 = (kFp8 & kFp8ThreeCtas) != 0;
-    constexpr bool kVp = (kFp8 & kFp8VPerm) != 0;
     constexpr int kS = fp8_stages(kFp8);
     if constexpr (kV == kFp8Generic) {
       static_assert(kFp8 == kFp8Generic);
       if (a.format == CacheFormat::fp8)
-        decode_fp8_tiles<T, true, false, false, false, false, kS, false>(a, smem, work, ntiles,
-                                                                          key_count);
+        decode_fp8_tiles<T, true, false, false, false, false, kS>(a, smem, work, ntiles,
+                                                                   key_count);
       else
-        decode_fp8_tiles<T, false, false, true, false, false, kS, false>(a, smem, work, ntiles,
-                                                                          key_count);
+        decode_fp8_tiles<T, false, false, true, false, false, kS>(a, smem, work, ntiles,
+                                                                   key_count);
     } else if constexpr (kV == kFp8PlainF16) {
-      decode_fp8_tiles<T, true, true, false, k3, false, kS, kVp>(a, smem, work, ntiles,
-                                                                 key_count);
+      static_assert(!k3);
+      decode_fp8_tiles<T, true, true, false, false, false, kS>(a, smem, work, ntiles, key_count);
     } else {
-      static_assert(!(kFp8 & kFp8DeepRing) && (!kVp || kV == kFp8DsMlaFold));
-      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS, kVp>(
-          a, smem, work, ntiles, key_count);
+      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS>(a, smem, work, ntiles,
+                                                                            key_count);
     }
     return;
   }
@@ -1669,40 +1592,31 @@ int env_int(const char* name, int fallback) {
 }
 
 // The fragment-path kernel of a bf16-activation fp8 launch (Fp8Kernel) at `ctas` CTAs per
-// SM (DecodePlan::fp8_ctas_per_sm). Plain fp8 runs on f16 mma (one conversion per pair of
-// codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200 (2026-12-03), (128,
-// 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma (read once) keeps
-// bf16 mma for A/B timing, at two CTAs per SM. (The same trick for fp8_ds_mla, scales that
-// are powers of two applied after the mma, measured slower, 425 against 352 us, and was
-// dropped.) Also measured and dropped (2026-12-03): converting half or all of the key codes
-// on the integer pipe instead of the conversion unit, 276.6 / 301.6 against 256.7 us.
-// fp8_ds_mla folds its scales into S and P (decode_fp8_tiles, kFoldScale) when they are
-// powers of two (`pow2_scales`: CacheRef::tile_rule, the default rule), where that gives the
-// same products; amax-rule scales keep bf16(code * scale). Measured on H200 (2026-12-03,
-// (128, 12, 8k)): 333.8 against 345.4 us at two CTAs, 327.4 at three. A/B switches, read at
-// every launch (the tests set them): KMLA_FP8_DSFOLD=0 turns the fold off,
-// KMLA_FP8_STAGES=5 gives plain fp8 at two CTAs a 5-stage ring, KMLA_FP8_VPERM=1 builds the
-// V fragments by byte permutes (plain fp8 and folded fp8_ds_mla; kVPerm).
+// SM (DecodePlan::fp8_ctas_per_sm; fp8_ds_mla only). Plain fp8 runs on f16 mma (one
+// conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200
+// (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma
+// (read once) keeps bf16 mma for A/B timing. fp8_ds_mla folds its scales into S and P
+// (kFoldScale) when they are powers of two (`pow2_scales`: CacheRef::tile_rule, the default
+// rule), where that gives the same products; amax-rule scales keep bf16(code * scale).
+// KMLA_FP8_DSFOLD=0 (read at every launch, an A/B switch the tests also set) turns it off.
+// Measured on H200 (2026-12-03, (128, 12, 8k), bf16 333.0 us): fp8_ds_mla 345.4 us before,
+// folded 335.4 at two CTAs and 330.0 at three; plain fp8 257.4.
+// Tried and dropped (measured slower, same session and the one before): converting half or
+// all of plain fp8's key codes on the integer pipe instead of the conversion unit (276.6 /
+// 301.6 against 256.7 us); the split sum for plain fp8 (276.7 with the half conversion);
+// plain fp8 at three CTAs (260.1 against 255.9; with V by byte permutes 262.4); V fragments
+// by byte permutes instead of movmatrix at two CTAs (283.3); a 5-stage ring (263.2); f16 mma
+// for fp8_ds_mla with power-of-two scales applied after the mma (425 against 352).
 int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   static const bool f16mma = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
     return e == nullptr || std::string_view(e) != "bf16mma";
   }();
+  if (format == CacheFormat::fp8) return f16mma ? kFp8PlainF16 : kFp8Generic;
   const int three = ctas == 3 ? kFp8ThreeCtas : 0;
-  if (format == CacheFormat::fp8) {
-    const int stages = env_int("KMLA_FP8_STAGES", kFp8Stages);
-    KMLA_CHECK(stages == kFp8Stages || stages == kFp8StagesDeepRing,
-               "decode: KMLA_FP8_STAGES must be 4 or 5, got ", stages);
-    const int vperm = env_int("KMLA_FP8_VPERM", 0);
-    KMLA_CHECK(vperm == 0 || vperm == 1, "decode: KMLA_FP8_VPERM must be 0 or 1, got ", vperm);
-    // (KMLA_FP8_VPERM wins over KMLA_FP8_STAGES: the two are not compiled together)
-    const int deep = stages == kFp8StagesDeepRing && !three && !vperm ? kFp8DeepRing : 0;
-    return f16mma ? kFp8PlainF16 | three | deep | (vperm ? kFp8VPerm : 0) : kFp8Generic;
-  }
   const int fold = env_int("KMLA_FP8_DSFOLD", 1);
   KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
-  if (fold && pow2_scales)
-    return kFp8DsMlaFold | three | (env_int("KMLA_FP8_VPERM", 0) == 1 ? kFp8VPerm : 0);
+  if (fold && pow2_scales) return kFp8DsMlaFold | three;
   return three ? kFp8DsMla | three : kFp8Generic;
 }
 
@@ -1731,25 +1645,12 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
     switch (fp8_kernel_variant(args.format, fp8_ctas, pow2_scales)) {
       case kFp8PlainF16:
         return launch_fp8_variant<T, kFp8PlainF16>(args, grid, stream);
-      case kFp8PlainF16 | kFp8DeepRing:
-        return launch_fp8_variant<T, kFp8PlainF16 | kFp8DeepRing>(args, grid, stream);
-      case kFp8PlainF16 | kFp8VPerm:
-        return launch_fp8_variant<T, kFp8PlainF16 | kFp8VPerm>(args, grid, stream);
-      case kFp8PlainF16 | kFp8ThreeCtas | kFp8VPerm:
-        return launch_fp8_variant<T, kFp8PlainF16 | kFp8ThreeCtas | kFp8VPerm>(args, grid, stream);
-      case kFp8PlainF16 | kFp8ThreeCtas:
-        return launch_fp8_variant<T, kFp8PlainF16 | kFp8ThreeCtas>(args, grid, stream);
       case kFp8DsMla | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8DsMla | kFp8ThreeCtas>(args, grid, stream);
       case kFp8DsMlaFold:
         return launch_fp8_variant<T, kFp8DsMlaFold>(args, grid, stream);
       case kFp8DsMlaFold | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas>(args, grid, stream);
-      case kFp8DsMlaFold | kFp8VPerm:
-        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8VPerm>(args, grid, stream);
-      case kFp8DsMlaFold | kFp8ThreeCtas | kFp8VPerm:
-        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas | kFp8VPerm>(args, grid,
-                                                                                stream);
       default:
         break;
     }
@@ -1810,18 +1711,20 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   int smem =
       (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
       1024;
-  // The fp8 formats' 16-row kernels at three CTAs per SM: their own shared memory (and launch
-  // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): fp8_ds_mla with
-  // folded scales 327.4 against 333.8 us at two, plain fp8 260.1 against 255.9; so
-  // fp8_ds_mla takes three by default, plain fp8 two. KMLA_FP8_CTAS=2|3 sets both (A/B).
-  const bool fp8 = format == CacheFormat::fp8 || format == CacheFormat::fp8_ds_mla;
-  const int fp8_ctas = env_int("KMLA_FP8_CTAS", format == CacheFormat::fp8_ds_mla ? 3 : 2);
+  // fp8_ds_mla's 16-row kernels at three CTAs per SM: their own shared memory (and launch
+  // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): folded scales
+  // 330.0 against 335.4 us at two (plain fp8 lost at three, 260.1 against 255.9, and has no
+  // such kernel). KMLA_FP8_CTAS=2 keeps two (A/B).
+  const int fp8_ctas = env_int("KMLA_FP8_CTAS", 3);
   KMLA_CHECK(fp8_ctas == 2 || fp8_ctas == 3, "decode: KMLA_FP8_CTAS must be 2 or 3, got ",
              fp8_ctas);
-  if (fp8 && fp8_ctas == 3 && !portable && !plan.deep_pipeline && plan.rows_per_cta == 16) {
-    const int entry = int(CacheRef::cache_entry_bytes_hd(format));
-    smem = smem_plan(16, entry, kStages, kFp8StagesThreeCtas).total + 1024;
-    if (smem_per_sm / smem >= 3) plan.fp8_ctas_per_sm = 3;
+  if (format == CacheFormat::fp8_ds_mla && fp8_ctas == 3 && !portable && !plan.deep_pipeline &&
+      plan.rows_per_cta == 16) {
+    const int smem3 = smem_plan(16, kDsMlaEntryBytes, kStages, kFp8StagesThreeCtas).total + 1024;
+    if (smem_per_sm / smem3 >= 3) {
+      plan.fp8_ctas_per_sm = 3;
+      smem = smem3;
+    }
   }
   const int threads = plan.rows_per_cta / 16 * 128;
   const int per_sm = std::max(1, std::min(smem_per_sm / smem, threads_per_sm / threads));

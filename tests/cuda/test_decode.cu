@@ -886,8 +886,7 @@ TEST(CudaDecode, Fp8FragmentPathShapes) {
 }
 
 // Sets (or, with nullptr, unsets) an environment variable for one scope (plan_decode reads
-// KMLA_FP8_CTAS and the launch KMLA_FP8_DSFOLD / KMLA_FP8_STAGES at every call), restoring
-// the old value after.
+// KMLA_FP8_CTAS and the launch KMLA_FP8_DSFOLD at every call), restoring the old value after.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
@@ -912,34 +911,25 @@ class ScopedEnv {
   std::string old_;
 };
 
-// Every fragment-path kernel under bf16 activations, on the same cases: two and three CTAs
-// per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw stages, P V converting its codes a second
-// time from the raw tile), fp8_ds_mla with its scales folded into S and P (the default for
-// power-of-two scales) and not (KMLA_FP8_DSFOLD=0), plain fp8 with a 5-stage ring
-// (KMLA_FP8_STAGES=5), and plain fp8 and folded fp8_ds_mla with their V fragments built by
-// byte permutes (KMLA_FP8_VPERM=1, which also moves every output column to another lane;
-// the amax case then checks that the unfolded kernel ignores it). Block sizes 16 / 64 / 256 with head counts rotating through 1, 3,
-// 12, 16, lengths around the 32-key tile and the 3-, 4- and 5-tile rings, plain fp8 k_scale
-// 2^-20 and 8, fp8_ds_mla tile scales up to 2^6 apart inside a row and between keys, and
-// amax-rule scales (not powers of two: these must not be folded, the fold would round
-// differently), so a code pair in the wrong k-index, a stage of a ring read too early, a
-// scale on the wrong key or group (in S or in P), or a partial S from the wrong warp shows.
-// The plans also go through the per-request splits and the balanced schedule with hundreds
-// of workers, so a CTA runs several pieces back to back over the ring.
+// Every fragment-path kernel under bf16 activations, on the same cases: plain fp8 (f16 mma),
+// fp8_ds_mla at two and three CTAs per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw
+// stages, P V converting its codes a second time from the raw tile), with its scales folded
+// into S and P (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0). Block
+// sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths around the
+// 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile
+// scales up to 2^6 apart inside a row and between keys, and amax-rule scales (not powers of
+// two: these must not be folded, the fold would round the keys differently), so a code pair
+// in the wrong k-index, a stage of the smaller ring read too early, a scale on the wrong key
+// or group (in S or in P), or a partial S from the wrong warp shows. The plans also go
+// through the per-request splits and the balanced schedule with hundreds of workers, so a
+// CTA runs several pieces back to back over the ring.
 TEST(CudaDecode, Fp8FragmentPathVariants) {
   KMLA_REQUIRE_GPU();
   uint64_t seed = 400;
-  struct Switches {
-    const char* fold;
-    const char* stages;
-    const char* vperm;
-  };
-  for (const Switches sw : {Switches{"1", "4", "0"}, Switches{"0", "5", "0"},
-                            Switches{"1", "4", "1"}}) {
-    ScopedEnv fold_env("KMLA_FP8_DSFOLD", sw.fold);
-    ScopedEnv stages_env("KMLA_FP8_STAGES", sw.stages);
-    ScopedEnv vperm_env("KMLA_FP8_VPERM", sw.vperm);
+  for (const char* fold : {"1", "0"}) {
+    ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
     for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+      if (fold[0] == '0' && format == CacheFormat::fp8) continue;  // fp8_ds_mla only
       for (int i = 0; i < 5; ++i) {
         const int bs = i >= 3 ? 64 : 16 << (2 * i);
         const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + int(format)) % 4];
@@ -959,11 +949,11 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
         c.query_lens = {1, q, 1, 0, q, 1, q, 1, q, 1, q, q};
         c.seed = seed++;
         SCOPED_TRACE(::testing::Message()
-                     << cache_format_name(format) << ", fold " << sw.fold << ", stages "
-                     << sw.stages << ", vperm " << sw.vperm << ", block size " << bs << ", heads " << heads
-                     << (i == 4 ? ", amax scales" : ""));
+                     << cache_format_name(format) << ", fold " << fold << ", block size " << bs
+                     << ", heads " << heads << (i == 4 ? ", amax scales" : ""));
         std::vector<PlanTweak> tweaks;
         for (int ctas : {2, 3}) {
+          if (ctas == 3 && format == CacheFormat::fp8) continue;  // no 3-CTA plain kernel
           PlanTweak plan, split, balanced;
           plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
           split.num_splits = 3;
@@ -977,9 +967,9 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
   }
 }
 
-// Plans made for fp8_ds_mla with 16-row tiles get three CTAs per SM and 1.5 times the
-// balanced workers, plain fp8 two; KMLA_FP8_CTAS=2|3 sets both; every other plan keeps two;
-// bad values are errors.
+// Plans made for fp8_ds_mla with 16-row tiles get three CTAs per SM (where they fit) and
+// 1.5 times the balanced workers unless KMLA_FP8_CTAS=2; every other plan keeps two; bad
+// values are errors.
 TEST(CudaDecode, PlanFp8CtasPerSm) {
   KMLA_REQUIRE_GPU();
   int device = 0, smem_per_sm = 0;
@@ -988,42 +978,36 @@ TEST(CudaDecode, PlanFp8CtasPerSm) {
                                    device),
             cudaSuccess);
   const bool fits = smem_per_sm >= 3 * (75872 + 1024);  // the 3-CTA fp8_ds_mla kernel
-  const DecodePlan ref = [] {
+  const CacheFormat ds = CacheFormat::fp8_ds_mla;
+  const DecodePlan ref = [&] {
     ScopedEnv two("KMLA_FP8_CTAS", "2");
-    return plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8_ds_mla);
+    return plan_decode(128, 12, 1, 8192, false, false, ds);
   }();
   EXPECT_EQ(ref.fp8_ctas_per_sm, 2);
   ASSERT_EQ(ref.schedule, DecodeSchedule::balanced);
-  {
-    ScopedEnv unset("KMLA_FP8_CTAS", nullptr);
-    const DecodePlan ds = plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8_ds_mla);
-    EXPECT_EQ(ds.fp8_ctas_per_sm, fits ? 3 : 2);
-    EXPECT_EQ(ds.num_workers * 2, ref.num_workers * (fits ? 3 : 2));
-    const DecodePlan plain = plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8);
-    EXPECT_EQ(plain.fp8_ctas_per_sm, 2);
-    EXPECT_EQ(plain.num_workers, ref.num_workers);
-  }
-  ScopedEnv three("KMLA_FP8_CTAS", "3");
-  for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-    const DecodePlan p = plan_decode(128, 12, 1, 8192, false, false, format);
+  for (const char* env : {static_cast<const char*>(nullptr), "3"}) {
+    ScopedEnv ctas("KMLA_FP8_CTAS", env);
+    const DecodePlan p = plan_decode(128, 12, 1, 8192, false, false, ds);
     EXPECT_EQ(p.fp8_ctas_per_sm, fits ? 3 : 2);
     EXPECT_EQ(p.num_workers * 2, ref.num_workers * (fits ? 3 : 2));
     EXPECT_GE(p.workspace_bytes, decode_workspace_bytes(p, 128, 12));
+    for (CacheFormat other : {CacheFormat::fp8, CacheFormat::bf16}) {
+      const DecodePlan o = plan_decode(128, 12, 1, 8192, false, false, other);
+      EXPECT_EQ(o.fp8_ctas_per_sm, 2);
+      EXPECT_EQ(o.num_workers, ref.num_workers);
+    }
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false).fp8_ctas_per_sm, 2);  // no format
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // portable
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, ds).fp8_ctas_per_sm, 2);  // invariant
+    EXPECT_EQ(plan_decode(128, 32, 1, 8192, false, false, ds).fp8_ctas_per_sm, 2);  // 32 rows
   }
-  const DecodePlan bf16 = plan_decode(128, 12, 1, 8192, false, false, CacheFormat::bf16);
-  EXPECT_EQ(bf16.fp8_ctas_per_sm, 2);
-  EXPECT_EQ(bf16.num_workers, ref.num_workers);
-  EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false).fp8_ctas_per_sm, 2);  // no format
-  EXPECT_EQ(plan_decode(128, 12, 1, 8192, true, false, CacheFormat::fp8).fp8_ctas_per_sm, 2);
-  EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, CacheFormat::fp8).fp8_ctas_per_sm, 2);
-  EXPECT_EQ(plan_decode(128, 32, 1, 8192, false, false, CacheFormat::fp8).fp8_ctas_per_sm, 2);
   {
     ScopedEnv bad("KMLA_FP8_CTAS", "4");
-    EXPECT_THROW(plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8), Error);
+    EXPECT_THROW(plan_decode(128, 12, 1, 8192, false, false, ds), Error);
   }
   DecodeParams p;
   p.heads = 12;
-  p.cache.format = CacheFormat::fp8;
+  p.cache.format = ds;
   p.cache.block_size = 64;
   DecodePlan bad = ref;
   bad.fp8_ctas_per_sm = 1;
