@@ -308,7 +308,8 @@ Result run_decode(const Case& c, Context& ctx) {
   p.lse = static_cast<float*>(lse.data());
   p.error_flag = static_cast<int*>(flag.data());
 
-  const cuda::DecodePlan plan = cuda::plan_decode(c.batch, c.heads, max_q, max_seq, ctx.portable);
+  const cuda::DecodePlan plan =
+      cuda::plan_decode(c.batch, c.heads, max_q, max_seq, ctx.portable, false, c.format);
   DeviceBuffer ws = device_alloc(plan.workspace_bytes);
 
   // Across ranks: the partial spread to f32 (every row is this rank's, the identity map), the

@@ -67,6 +67,12 @@ struct DecodePlan {
   // arithmetic. plan_decode leaves it off (measured slower, see decode_attention.cu);
   // callers may set it on a GPU that fits it.
   bool deep_pipeline = false;
+  // CTAs per SM of the fp8_ds_mla cache's 16-row kernels under bf16 activations (2 or 3;
+  // other kernels ignore it). 3 runs a form with fewer raw stages and registers
+  // (decode_attention.cu, decode_fp8_tiles). plan_decode picks 3 for plans made for
+  // fp8_ds_mla where it fits (KMLA_FP8_CTAS=2 keeps 2) and 2 otherwise, and sizes the
+  // splits / workers for that many CTA slots per SM.
+  int fp8_ctas_per_sm = 2;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
   // bitwise the same whatever else is in the batch. num_splits is then the grid's split
@@ -84,9 +90,11 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
-// KMLA_DECODE_PDL=0|1 (never for batch-invariant plans).
+// KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans). `format` is the
+// cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
-                       bool portable, bool batch_invariant = false);
+                       bool portable, bool batch_invariant = false,
+                       CacheFormat format = CacheFormat::bf16);
 
 // Workspace bytes `plan` needs for `num_requests` requests of `heads` heads (what
 // plan_decode stores in plan.workspace_bytes; for callers that edit a plan).

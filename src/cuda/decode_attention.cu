@@ -72,11 +72,19 @@ constexpr float kLn2 = 0.6931471805599453f;
 // kFp8Stages raw tiles in flight instead of 2, raw rows padded to a stride that is 64 bytes
 // past a multiple of 128 (plain fp8: 576 as is; fp8_ds_mla: 656 -> 704), partial S tiles
 // [4 warps][4 n-tiles][32 lanes] float4 = 8 KB.
+// Two CTAs per SM (DecodePlan::fp8_ctas_per_sm = 2, the default), kFp8Stages raw stages:
 //   plain fp8: 4 x 32 x 576 = 73,728 + flags 128 + S 8,192 = 82,048 B
 //   fp8_ds_mla: 4 x 32 x 704 = 90,112 + 128 + 8,192 = 98,432 B
-// Two CTAs per SM either way (H200: 2 x (98,432 + 1,024 reserved) <= 233,472); the rows-16
-// bf16 kernel plan_decode sizes its splits for (94,016 B) also fits two.
+// (H200: 2 x (98,432 + 1,024 reserved) <= 233,472; the rows-16 bf16 kernel, 94,016 B, also
+// fits two.) Three CTAs per SM (fp8_ctas_per_sm = 3; fp8_ds_mla, bf16 activations: the
+// default where it fits) leave each CTA 233,472 / 3 - 1,024 = 76,800 B, so
+// kFp8StagesThreeCtas raw stages:
+//   fp8_ds_mla: 3 x 22,528 = 67,584 + 96 + 8,192 = 75,872 B (3 x 76,896 = 230,688 B per SM)
+// and 65,536 / (3 x 128 threads) = 170, i.e. 168 registers per thread (allocated in steps
+// of 8); decode_fp8_tiles says how its kThreeCtas form fits them. (Plain fp8 at three CTAs,
+// 63,584 B, measured slower and was dropped.)
 constexpr int kFp8Stages = 4;
+constexpr int kFp8StagesThreeCtas = 3;
 constexpr int kFp8SPartBytes = 4 * 4 * 32 * 16;
 __host__ __device__ constexpr int fp8_raw_stride(int entry_bytes) {
   return entry_bytes == kLatentDim ? kLatentDim : 704;
@@ -84,36 +92,40 @@ __host__ __device__ constexpr int fp8_raw_stride(int entry_bytes) {
 __host__ __device__ constexpr bool fp8_fragment_path(int rows, int raw_entry_bytes, int stages) {
   return rows == 16 && raw_entry_bytes != 0 && stages == kStages;
 }
-// The fragment-path kernels: generic (both formats, hardware code conversions, plain fp8 on
-// T mma: f16 activations, KMLA_FP8_DECODE=bf16mma, and fp8_ds_mla by default), then the
-// bf16-activation ones that compile one format each (decode_fp8_tiles' kF16Mma, kAlu):
-// plain fp8 on f16 mma with kAlu 0 / 1 / 2, fp8_ds_mla with kAlu 1 / 2.
+// The fragment-path kernels (decode_fp8_tiles). kFp8Generic reads the format at run time and
+// runs T mma: plain fp8 as is, fp8_ds_mla with the split sum. It serves f16 activations,
+// KMLA_FP8_DECODE=bf16mma and amax-scaled fp8_ds_mla under bf16 at two CTAs per SM. The
+// others are bf16-activation kernels of one format: plain fp8 on f16 mma (kF16Mma);
+// fp8_ds_mla with the scales folded into S and P (kFoldScale, power-of-two scales) at two
+// or three CTAs per SM, and without (amax scales) at three.
 enum Fp8Kernel : int {
   kFp8Generic = 0,
   kFp8PlainF16 = 1,
-  kFp8PlainF16Mix = 2,
-  kFp8PlainF16Alu = 3,
-  kFp8DsMlaMix = 4,
-  kFp8DsMlaAlu = 5,
-  kFp8DsMlaHw = 6,
-  kFp8SplitSum = 8,  // flag: decode_fp8_tiles' kSplitSum
+  kFp8DsMla = 2,
+  kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
+  kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
 };
+__host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
+  return fp8_kernel & kFp8ThreeCtas ? kFp8StagesThreeCtas : kFp8Stages;
+}
 
 struct SmemPlan {
   int q = 0, tiles = 0, raw = 0, p = 0, key_ok = 0, red_max = 0, red_sum = 0, s_part = 0,
       total = 0;
 };
 
-__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, int stages) {
+// fp8_raw_stages: the fragment path's raw stages (kFp8Stages or kFp8StagesThreeCtas).
+__host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, int stages,
+                                                 int fp8_raw_stages = kFp8Stages) {
   SmemPlan s;
   int off = 0;
   if (fp8_fragment_path(rows, raw_entry_bytes, stages)) {
     // Raw stages, their key flags and the partial S tiles; Q lives in registers and there
     // is no converted tile and no P tile (see decode_fp8_tiles).
     s.raw = off;
-    off += kFp8Stages * kKeyTile * fp8_raw_stride(raw_entry_bytes);
+    off += fp8_raw_stages * kKeyTile * fp8_raw_stride(raw_entry_bytes);
     s.key_ok = off;
-    off += kFp8Stages * kKeyTile;
+    off += fp8_raw_stages * kKeyTile;
     off = (off + 15) / 16 * 16;
     s.s_part = off;
     off += kFp8SPartBytes;
@@ -318,44 +330,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_act(uint32_t codes) {
   }
 }
 
-// 2 codes given as f16x2 (exact) with their scales -> 2 T: bf16(code * scale), then T.
+// 2 fp8_ds_mla codes of one key (low 16 bits) with its group scale -> 2 T:
+// bf16(code * scale), then T.
 template <class T>
-__device__ __forceinline__ uint32_t f16x2_scaled_to_act(uint32_t codes_f16, float s0, float s1) {
-  const float2 f = __half22float2(reinterpret_cast<const __half2&>(codes_f16));
+__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
   if constexpr (std::is_same_v<T, bf16>) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s0, f.y * s1);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
     return reinterpret_cast<const uint32_t&>(b);
   } else {
-    return pack2<fp16>(round_to<bf16>(f.x * s0), round_to<bf16>(f.y * s1));
+    return pack2<fp16>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
   }
-}
-
-// 2 fp8_ds_mla codes with their scales -> 2 T: bf16(code * scale), then T.
-template <class T>
-__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float s0, float s1) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
-  return f16x2_scaled_to_act<T>(uint32_t(h.x) | (uint32_t(h.y) << 16), s0, s1);
-}
-
-// Codes kHalf * 2, kHalf * 2 + 1 of a word of 4 e4m3 codes -> f16x2 of code * 2^-8, exact,
-// on the integer pipe instead of the conversion unit (which also serves every other cvt of
-// the tile loop: the ds_mla rounding, P): code bits s eeee mmm become f16 bits
-// s 0 eeee mmm 0000000, i.e. the f16 with exponent eeee - 15 instead of eeee - 7 (subnormal
-// codes land on f16 subnormals, also exact). A byte permute, a shift and two logic ops per
-// pair. Unlike the cvt the two NaN codes (0x7F, 0xFF) come out as +-480 * 2^-8; the quantiser
-// saturates and unused slots are zero-filled by the loader, so valid keys never hold them.
-template <int kHalf>
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_alu(uint32_t word) {
-  // [code 2 kHalf + 1, 0, code 2 kHalf, 0]: each code in the high byte of its 16-bit lane
-  const uint32_t x = __byte_perm(word, 0u, kHalf ? 0x3424 : 0x1404);
-  return (x & 0x80008000u) | ((x & 0x7F007F00u) >> 1);
-}
-
-// f16x2 times 256, exact (undoes the 2^-8 of e4m3x2_to_f16x2_alu).
-__device__ __forceinline__ uint32_t f16x2_times256(uint32_t h) {
-  uint32_t r;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(h), "r"(0x5C005C00u));
-  return r;
 }
 
 // 2 bf16 (packed) -> 2 T.
@@ -378,33 +364,51 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 
 // One piece of 16 rows over keys [work.key0, work.key1) (ntiles tiles) of request work.r.
 // kF16Mma (plain fp8, bf16 activations; the default there, KMLA_FP8_DECODE=bf16mma turns it
-// off): both mma run on f16
-// operands, so a pair of codes costs one conversion instead of four. Q is scaled per row by
-// a power of two 2^(14 - e) (e: exponent of the row's largest |q|) into f16, exact for
-// every element within 2^-28 of that maximum (bf16's 8-bit significand fits f16's 11 bits);
-// the scale comes back in the fp32 score scale. P is rounded to bf16 as in the bf16 mma and
-// stored times 2^12 (exact in f16 down to p = 2^-26), taken out with 1 / l.
-
+// off): both mma run on f16 operands, so a pair of codes costs one conversion instead of
+// four. Q is scaled per row by a power of two 2^(14 - e) (e: exponent of the row's largest
+// |q|) into f16, exact for every element within 2^-28 of that maximum (bf16's 8-bit
+// significand fits f16's 11 bits); the scale comes back in the fp32 score scale. P is
+// rounded to bf16 as in the bf16 mma and stored times 2^12 (exact in f16 down to p = 2^-26),
+// taken out with 1 / l.
 //
-// kAlu moves code conversions from the conversion unit to the integer pipe
-// (e4m3x2_to_f16x2_alu), for the f16-mma plain fp8 path and fp8_ds_mla under bf16: 0 none,
-// 1 the key n-tiles 2 and 3 of the 8 code k-steps (the integer result times 256 by one f16x2
-// multiply, so all operands stay the exact codes), 2 all of them. Plain fp8 with 2 keeps the
-// codes times 2^-8 (no multiply) and takes the 2^8 out in the fp32 score and output scales.
-template <class T, bool kPlain, bool kF16Mma, int kAlu, bool kSplitSum, class KeyCount>
+// kSplitSum (fp8_ds_mla): each warp adds up one n-tile of the partial S tiles and the totals
+// are exchanged (see below). Measured on H200 (128, 12, 8k): fp8_ds_mla 340.1 against 350.4
+// us, plain fp8 276.7 against 256.7 (slower there, so plain fp8 does not use it).
+//
+// kThreeCtas: three CTAs per SM (12 warps to hide the latency of the mma chains, the
+// barriers and the exp2 instead of 8), kFp8StagesThreeCtas raw stages and at most 168
+// registers (see smem_plan). Keeping the 64 converted codes from S to P V does not fit: ptxas
+// spilled 260-290 bytes per thread with them. So P V reads its 8 raw 16-byte chunks again
+// (the tile is still in its stage) and converts them a second time, just before each mma:
+// live across the barriers are then the 64 accumulators, 36 Q registers and the S tile.
+// Arithmetic (values, sums and their order) is the same as with two CTAs.
+//
+// kFoldScale (fp8_ds_mla, bf16 activations): the codes become exact bf16 values with no
+// scale (a cvt, two f16 -> f32 and a byte permute per pair, instead of also two multiplies
+// and a rounding pack), and the group scale moves to where it is one number per key: warp
+// w's 8 code k-steps are exactly scale group w, so its partial S column of key k is
+// multiplied by scale[k][w] before the RoPE k-step is added, and P V takes P'_k =
+// bf16(p_k * scale[k][w]) as its A operand (warp w's output columns are group w too).
+// Per thread and tile: 8 scale loads and 24 multiplies instead of 128 multiplies and 64
+// packs (twice that with kThreeCtas, which converts twice). With power-of-two scales (the
+// default tile rule, the only one it is used for) the products are the same numbers as
+// bf16(code * scale) times bf16(p). (Amax-rule scales are not folded: S would use the exact
+// code * scale instead of bf16(code * scale), which with large logits moved the LSE by more
+// than the tests' 1e-3.)
+template <class T, bool kPlain, bool kF16Mma, bool kSplitSum, bool kThreeCtas, bool kFoldScale,
+          int kRawStages, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
   static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
-  static_assert(kAlu == 0 || (kPlain ? kF16Mma : std::is_same_v<T, bf16>));
-  constexpr bool kKeysScaled = kPlain && kAlu == 2;  // key operands are code * 2^-8
+  static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
   using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
   constexpr int kChunks = kEntry / 16;  // 36 or 41 per raw row
-  constexpr int S = kFp8Stages;
-  const SmemPlan sp = smem_plan(16, kEntry, kStages);
+  constexpr int S = kRawStages;  // raw stages: kFp8Stages, or see fp8_stages
+  const SmemPlan sp = smem_plan(16, kEntry, kStages, S);
   std::byte* const raw_s = smem + sp.raw;
   uint8_t* const key_ok_s = reinterpret_cast<uint8_t*>(smem + sp.key_ok);
   float4* const s_part = reinterpret_cast<float4*>(smem + sp.s_part);
@@ -481,7 +485,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     qa[i][2] = q_pair(g, d1);
     qa[i][3] = q_pair(g + 8, d1);
   }
-  float score_lo = a.score_scale_log2 * (kKeysScaled ? 256.0f : 1.0f);
+  float score_lo = a.score_scale_log2;
   float score_hi = score_lo;
   if constexpr (kF16Mma) {
     if (!a.q_fp8) {  // bf16 Q -> f16 scaled per row (fp8 Q codes are exact in f16 as is)
@@ -563,45 +567,49 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const std::byte* row = tile + (8 * n + g) * kStride;
-      ks_scale[n] = kPlain ? 1.0f
+      ks_scale[n] = kPlain || kFoldScale ? 1.0f
                            : *reinterpret_cast<const float*>(row + (40 + (g >> 1)) * 16 + 4 * warp);
     }
+    // kFoldScale: scale group `warp` of keys 8 n + 2 t + i, the keys of this thread's S
+    // accumulator columns and P fragment elements (their scale chunk is 40 + t).
+    float fold[4][2];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        fold[n][i] = kFoldScale ? *reinterpret_cast<const float*>(
+                                      tile + (8 * n + 2 * tq + i) * kStride + (40 + tq) * 16 + 4 * warp)
+                                : 1.0f;
+    // The 16-byte chunk of code block 2 warp + bi of key 8 n + g (16 codes: 4 k-steps x
+    // (b0, b1)), and one code pair of it as a B fragment register (h = 0: b0, 1: b1).
+    auto code_chunk = [&](int bi, int n) -> uint4 {
+      const int chunk = (4 * (2 * warp + bi) + tq) ^ h_g;
+      return *reinterpret_cast<const uint4*>(tile + (8 * n + g) * kStride + chunk * 16);
+    };
+    auto convert = [&](uint32_t word, int n, int h) -> uint32_t {
+      if constexpr (kPlain)
+        return e4m3x2_to_act<M>(h ? word >> 16 : word);
+      else if constexpr (kFoldScale)
+        return e4m3x2_to_act<T>(h ? word >> 16 : word);
+      else
+        return e4m3x2_scaled_to_act<T>(h ? word >> 16 : word, ks_scale[n]);
+    };
     // kf[bi][s][n]: B fragments (b0, b1) of k-step s of code block 2 warp + bi, n-tile n;
-    // converted once, used by S here and, transposed, by P V below.
+    // converted once, used by S here and, transposed, by P V below (kThreeCtas: by S only,
+    // the rest of it is dead code).
     uint32_t kf[2][4][4][2];
 #pragma unroll
     for (int bi = 0; bi < 2; ++bi) {
-      const int chunk = (4 * (2 * warp + bi) + tq) ^ h_g;
       uint4 w[4];
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-        w[n] = *reinterpret_cast<const uint4*>(tile + (8 * n + g) * kStride + chunk * 16);
+      for (int n = 0; n < 4; ++n) w[n] = code_chunk(bi, n);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const uint32_t ws[4] = {w[n].x, w[n].y, w[n].z, w[n].w};
-        const bool alu = kAlu == 2 || (kAlu == 1 && n >= 2);  // a constant once unrolled
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          if (alu) {
-            uint32_t h0 = e4m3x2_to_f16x2_alu<0>(ws[s]), h1 = e4m3x2_to_f16x2_alu<1>(ws[s]);
-            if (!kKeysScaled) {
-              h0 = f16x2_times256(h0);
-              h1 = f16x2_times256(h1);
-            }
-            if constexpr (kPlain) {
-              kf[bi][s][n][0] = h0;
-              kf[bi][s][n][1] = h1;
-            } else {
-              kf[bi][s][n][0] = f16x2_scaled_to_act<T>(h0, ks_scale[n], ks_scale[n]);
-              kf[bi][s][n][1] = f16x2_scaled_to_act<T>(h1, ks_scale[n], ks_scale[n]);
-            }
-          } else if constexpr (kPlain) {
-            kf[bi][s][n][0] = e4m3x2_to_act<M>(ws[s]);
-            kf[bi][s][n][1] = e4m3x2_to_act<M>(ws[s] >> 16);
-          } else {
-            kf[bi][s][n][0] = e4m3x2_scaled_to_act<T>(ws[s], ks_scale[n], ks_scale[n]);
-            kf[bi][s][n][1] = e4m3x2_scaled_to_act<T>(ws[s] >> 16, ks_scale[n], ks_scale[n]);
-          }
+          kf[bi][s][n][0] = convert(ws[s], n, 0);
+          kf[bi][s][n][1] = convert(ws[s], n, 1);
           mma_16816<M>(sp4[n], qa[4 * bi + s], kf[bi][s][n][0], kf[bi][s][n][1]);
         }
       }
@@ -610,18 +618,19 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // fp8_ds_mla, RoPE columns 16 warp .. 16 warp + 15 (bf16, usual fragment order).
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
+      if constexpr (kFoldScale) {  // the code part of the column times its key's scale
+        sp4[n][0] *= fold[n][0];
+        sp4[n][1] *= fold[n][1];
+        sp4[n][2] *= fold[n][0];
+        sp4[n][3] *= fold[n][1];
+      }
       const std::byte* row = tile + (8 * n + g) * kStride;
       uint32_t b0, b1;
       if constexpr (kPlain) {
         const uint32_t v =
             *reinterpret_cast<const uint32_t*>(row + (32 + (tq ^ (h_g & 3))) * 16 + 4 * warp);
-        if constexpr (kKeysScaled) {
-          b0 = e4m3x2_to_f16x2_alu<0>(v);
-          b1 = e4m3x2_to_f16x2_alu<1>(v);
-        } else {
-          b0 = e4m3x2_to_act<M>(v);
-          b1 = e4m3x2_to_act<M>(v >> 16);
-        }
+        b0 = e4m3x2_to_act<M>(v);
+        b1 = e4m3x2_to_act<M>(v >> 16);
       } else {
         b0 = bf16x2_to_act<T>(
             *reinterpret_cast<const uint32_t*>(row + (32 + ((2 * warp) ^ h_g)) * 16 + 4 * tq));
@@ -788,17 +797,37 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
           return pack2<T>(x, y);
         }
       };
-      const uint32_t pa[4] = {pack_p(s[2 * k][0], s[2 * k][1]), pack_p(s[2 * k][2], s[2 * k][3]),
-                              pack_p(s[2 * k + 1][0], s[2 * k + 1][1]),
-                              pack_p(s[2 * k + 1][2], s[2 * k + 1][3])};
+      // P fragment element (row, column 2 t + i) of n-tile n: S accumulator column i of
+      // n-tile n, the same key (kFoldScale: times that key's scale)
+      auto p_of = [&](int n, int e) -> float {
+        if constexpr (kFoldScale)
+          return s[n][e] * fold[n][e & 1];
+        else
+          return s[n][e];
+      };
+      const uint32_t pa[4] = {pack_p(p_of(2 * k, 0), p_of(2 * k, 1)),
+                              pack_p(p_of(2 * k, 2), p_of(2 * k, 3)),
+                              pack_p(p_of(2 * k + 1, 0), p_of(2 * k + 1, 1)),
+                              pack_p(p_of(2 * k + 1, 2), p_of(2 * k + 1, 3))};
 #pragma unroll
-      for (int bi = 0; bi < 2; ++bi)
+      for (int bi = 0; bi < 2; ++bi) {
+        uint4 w0{}, w1{};  // kThreeCtas: n-tiles 2 k and 2 k + 1 again, from the raw tile
+        if constexpr (kThreeCtas) {
+          w0 = code_chunk(bi, 2 * k);
+          w1 = code_chunk(bi, 2 * k + 1);
+        }
+        const uint32_t ws0[4] = {w0.x, w0.y, w0.z, w0.w}, ws1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
         for (int st = 0; st < 4; ++st)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(kf[bi][st][2 * k][h]),
-                         movmatrix_trans(kf[bi][st][2 * k + 1][h]));
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t b0 = kThreeCtas ? convert(ws0[st], 2 * k, h) : kf[bi][st][2 * k][h];
+            const uint32_t b1 =
+                kThreeCtas ? convert(ws1[st], 2 * k + 1, h) : kf[bi][st][2 * k + 1][h];
+            mma_16816<M>(acc[8 * bi + 2 * st + h], pa, movmatrix_trans(b0),
+                         movmatrix_trans(b1));
+          }
+      }
     }
   }
   cp_async_wait<0>();
@@ -815,10 +844,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) continue;
     const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
     const bool empty = m == kNegInf || !(l > 0.0f);
-    // kF16Mma: P was stored times 2^12; kKeysScaled: V times 2^-8
-    const float inv =
-        empty ? 0.0f
-              : (kF16Mma ? a.v_scale * (kKeysScaled ? 1.0f / 16.0f : 1.0f / 4096.0f) : a.v_scale) / l;
+    // kF16Mma: P was stored times 2^12
+    const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale * (1.0f / 4096.0f) : a.v_scale) / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
     const int col0 = 128 * warp + 16 * tq;
@@ -880,7 +907,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // The kernel runs one piece of work (decode_sched.cuh: a row tile of one request against a
 // key range) per call of splitkv_piece; a balanced-schedule CTA runs several in a row.
 // kFp8 (Fp8Kernel, bf16 activations only when nonzero): which fp8 fragment path the 16-row
-// 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant).
+// 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant); with kFp8ThreeCtas
+// the launch bounds ask for three CTAs per SM (168 registers).
 template <class T, int ROWS, bool kConvert, int STAGES, int kFp8>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   constexpr int kWarps = ROWS / 16 * 4;
@@ -908,20 +936,24 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     return;
   }
   if constexpr (kConvert && fp8_fragment_path(ROWS, 1, STAGES)) {
-    // fp8 formats, 16 rows: the register-fragment path.
-    constexpr int kV = kFp8 & ~kFp8SplitSum;
-    constexpr bool kSplit = (kFp8 & kFp8SplitSum) != 0;
+    // fp8 formats, 16 rows: the register-fragment path (Fp8Kernel).
+    constexpr int kV = kFp8 & ~kFp8ThreeCtas;
+    constexpr bool k3 = (kFp8 & kFp8ThreeCtas) != 0;
+    constexpr int kS = fp8_stages(kFp8);
     if constexpr (kV == kFp8Generic) {
+      static_assert(kFp8 == kFp8Generic);
       if (a.format == CacheFormat::fp8)
-        decode_fp8_tiles<T, true, false, 0, kSplit>(a, smem, work, ntiles, key_count);
+        decode_fp8_tiles<T, true, false, false, false, false, kS>(a, smem, work, ntiles,
+                                                                   key_count);
       else
-        decode_fp8_tiles<T, false, false, 0, kSplit>(a, smem, work, ntiles, key_count);
-    } else if constexpr (kV <= kFp8PlainF16Alu) {
-      decode_fp8_tiles<T, true, true, kV - kFp8PlainF16, kSplit>(a, smem, work, ntiles,
-                                                                 key_count);
+        decode_fp8_tiles<T, false, false, true, false, false, kS>(a, smem, work, ntiles,
+                                                                   key_count);
+    } else if constexpr (kV == kFp8PlainF16) {
+      static_assert(!k3);
+      decode_fp8_tiles<T, true, true, false, false, false, kS>(a, smem, work, ntiles, key_count);
     } else {
-      constexpr int kAlu = kV == kFp8DsMlaHw ? 0 : kV - kFp8DsMlaMix + 1;
-      decode_fp8_tiles<T, false, false, kAlu, kSplit>(a, smem, work, ntiles, key_count);
+      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS>(a, smem, work, ntiles,
+                                                                            key_count);
     }
     return;
   }
@@ -1311,7 +1343,9 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 }
 
 template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic>
-__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1 : 2)
+__global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1
+                                                   : kFp8 & kFp8ThreeCtas         ? 3
+                                                                                  : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
@@ -1709,57 +1743,66 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-// The fragment-path kernel of a bf16-activation fp8 launch (Fp8Kernel). Plain fp8 runs on
-// f16 mma (one conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma).
-// Measured on H200 (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma.
-// KMLA_FP8_DECODE=bf16mma (read once) keeps bf16 mma for A/B timing. (The same trick for
-// fp8_ds_mla, scales that are powers of two applied after the mma, measured slower, 425
-// against 352 us, and was dropped.) KMLA_FP8_CVT=hw|mix|alu (read at every launch: an A/B
-// switch, which the tests also set) converts none, half or all of the key codes on the
-// integer pipe instead of the conversion unit (decode_fp8_tiles, kAlu).
-int fp8_kernel_variant(CacheFormat format) {
+// The fragment-path kernel of a bf16-activation fp8 launch (Fp8Kernel) at `ctas` CTAs per
+// SM (DecodePlan::fp8_ctas_per_sm; fp8_ds_mla only). Plain fp8 runs on f16 mma (one
+// conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200
+// (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma
+// (read once) keeps bf16 mma for A/B timing. fp8_ds_mla folds its scales into S and P
+// (kFoldScale) when they are powers of two (`pow2_scales`: CacheRef::tile_rule, the default
+// rule), where that gives the same products; amax-rule scales keep bf16(code * scale).
+// KMLA_FP8_DSFOLD=0 (read at every launch, an A/B switch the tests also set) turns it off.
+// Measured on H200 (2026-12-03, (128, 12, 8k), bf16 333.0 us): fp8_ds_mla 345.4 us before,
+// folded 335.4 at two CTAs and 330.0 at three; plain fp8 257.4.
+// Tried and dropped (measured slower, same session and the one before): converting half or
+// all of plain fp8's key codes on the integer pipe instead of the conversion unit (276.6 /
+// 301.6 against 256.7 us); the split sum for plain fp8 (276.7 with the half conversion);
+// plain fp8 at three CTAs (260.1 against 255.9; with V by byte permutes 262.4); V fragments
+// by byte permutes instead of movmatrix at two CTAs (283.3); a 5-stage ring (263.2); f16 mma
+// for fp8_ds_mla with power-of-two scales applied after the mma (425 against 352).
+int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   static const bool f16mma = [] {
     const char* e = std::getenv("KMLA_FP8_DECODE");
     return e == nullptr || std::string_view(e) != "bf16mma";
   }();
-  const char* e = std::getenv("KMLA_FP8_CVT");
-  const std::string_view cvt = e ? e : "";
-  KMLA_CHECK(cvt.empty() || cvt == "hw" || cvt == "mix" || cvt == "alu",
-             "decode: KMLA_FP8_CVT must be hw, mix or alu, got ", cvt);
-  const int alu = cvt == "alu" ? 2 : cvt == "mix" ? 1 : 0;
-  const int split = env_int("KMLA_FP8_SPLITSUM", 0) ? kFp8SplitSum : 0;
-  if (format == CacheFormat::fp8) return f16mma ? (kFp8PlainF16 + alu) | split : kFp8Generic;
-  // fp8_ds_mla with hardware conversions and the split sum: the ds_mla kAlu 0 kernel
-  if (split && !alu) return kFp8DsMlaHw | split;
-  return alu ? (kFp8DsMlaMix + alu - 1) | split : kFp8Generic;
+  if (format == CacheFormat::fp8) return f16mma ? kFp8PlainF16 : kFp8Generic;
+  const int three = ctas == 3 ? kFp8ThreeCtas : 0;
+  const int fold = env_int("KMLA_FP8_DSFOLD", 1);
+  KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
+  if (fold && pow2_scales) return kFp8DsMlaFold | three;
+  return three ? kFp8DsMla | three : kFp8Generic;
 }
 
-template <class T, int ROWS, int STAGES, int kFp8>
-void launch_fp8_variant(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
-  auto variant = decode_splitkv_kernel<T, ROWS, true, STAGES, kFp8>;
+// Launches a fragment-path kernel; its shared memory follows from its raw stages.
+template <class T, int kFp8>
+void launch_fp8_variant(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
+  auto variant = decode_splitkv_kernel<T, 16, true, kStages, kFp8>;
+  const int smem_bytes = smem_plan(16, args.entry_bytes, kStages, fp8_stages(kFp8)).total;
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(variant, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  variant<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
+  // Three CTAs need (almost) all of the SM's 228 KB as shared memory: ask for it, rather
+  // than leave the L1 / shared split to the driver's heuristic.
+  if constexpr ((kFp8 & kFp8ThreeCtas) != 0)
+    KMLA_CUDA_CHECK(cudaFuncSetAttribute(variant, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
+  variant<<<grid, 128, smem_bytes, stream>>>(args);
   KMLA_LAUNCH_CHECK();
 }
 
+// fp8_ctas: DecodePlan::fp8_ctas_per_sm; pow2_scales: fp8_ds_mla's tile scales are powers
+// of two (both for the fp8 formats' 16-row 2-stage kernels only).
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
-void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream) {
+void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream,
+                    int fp8_ctas = 2, bool pow2_scales = false) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
-    switch (fp8_kernel_variant(args.format)) {
-#define KMLA_FP8_CASE(v)                                                          \
-  case v:                                                                         \
-    return launch_fp8_variant<T, ROWS, STAGES, v>(args, grid, smem_bytes, stream); \
-  case v | kFp8SplitSum:                                                          \
-    return launch_fp8_variant<T, ROWS, STAGES, v | kFp8SplitSum>(args, grid, smem_bytes, stream);
-      KMLA_FP8_CASE(kFp8PlainF16)
-      KMLA_FP8_CASE(kFp8PlainF16Mix)
-      KMLA_FP8_CASE(kFp8PlainF16Alu)
-      KMLA_FP8_CASE(kFp8DsMlaMix)
-      KMLA_FP8_CASE(kFp8DsMlaAlu)
-      case kFp8DsMlaHw | kFp8SplitSum:
-        return launch_fp8_variant<T, ROWS, STAGES, kFp8DsMlaHw | kFp8SplitSum>(args, grid, smem_bytes, stream);
-#undef KMLA_FP8_CASE
+    switch (fp8_kernel_variant(args.format, fp8_ctas, pow2_scales)) {
+      case kFp8PlainF16:
+        return launch_fp8_variant<T, kFp8PlainF16>(args, grid, stream);
+      case kFp8DsMla | kFp8ThreeCtas:
+        return launch_fp8_variant<T, kFp8DsMla | kFp8ThreeCtas>(args, grid, stream);
+      case kFp8DsMlaFold:
+        return launch_fp8_variant<T, kFp8DsMlaFold>(args, grid, stream);
+      case kFp8DsMlaFold | kFp8ThreeCtas:
+        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas>(args, grid, stream);
       default:
         break;
     }
@@ -1776,7 +1819,7 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
 }  // namespace
 
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
-                       bool portable, bool batch_invariant) {
+                       bool portable, bool batch_invariant, CacheFormat format) {
   KMLA_CHECK(num_requests >= 0, "decode: num_requests must be >= 0, got ", num_requests);
   KMLA_CHECK(heads >= 1 && heads <= 128, "decode: heads must be in [1, 128], got ", heads);
   KMLA_CHECK(max_query_len >= 1 && max_query_len <= 128,
@@ -1817,9 +1860,24 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   plan.deep_pipeline = deep_pipeline_fits(portable, plan.rows_per_cta, smem_per_block);
   // CTAs per SM from shared memory (1 KB per CTA is reserved by the driver) and threads.
-  const int smem =
+  int smem =
       (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
       1024;
+  // fp8_ds_mla's 16-row kernels at three CTAs per SM: their own shared memory (and launch
+  // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): folded scales
+  // 330.0 against 335.4 us at two (plain fp8 lost at three, 260.1 against 255.9, and has no
+  // such kernel). KMLA_FP8_CTAS=2 keeps two (A/B).
+  const int fp8_ctas = env_int("KMLA_FP8_CTAS", 3);
+  KMLA_CHECK(fp8_ctas == 2 || fp8_ctas == 3, "decode: KMLA_FP8_CTAS must be 2 or 3, got ",
+             fp8_ctas);
+  if (format == CacheFormat::fp8_ds_mla && fp8_ctas == 3 && !portable && !plan.deep_pipeline &&
+      plan.rows_per_cta == 16) {
+    const int smem3 = smem_plan(16, kDsMlaEntryBytes, kStages, kFp8StagesThreeCtas).total + 1024;
+    if (smem_per_sm / smem3 >= 3) {
+      plan.fp8_ctas_per_sm = 3;
+      smem = smem3;
+    }
+  }
   const int threads = plan.rows_per_cta / 16 * 128;
   const int per_sm = std::max(1, std::min(smem_per_sm / smem, threads_per_sm / threads));
   const int64_t ctas =
@@ -1905,6 +1963,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
              ", min ", plan.sched_min_keys, ", nosplit ", plan.sched_nosplit_keys, " keys");
   KMLA_CHECK(plan.max_query_len >= 1 && plan.max_query_len <= 128,
              "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
+  KMLA_CHECK(plan.fp8_ctas_per_sm == 2 || plan.fp8_ctas_per_sm == 3,
+             "decode: plan.fp8_ctas_per_sm must be 2 or 3, got ", plan.fp8_ctas_per_sm);
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
              "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
   const CacheFormat fmt = p.cache.format;
@@ -1992,7 +2052,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
     } else if (rows == 16) {
-      convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream)
+      convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
+                                            p.cache.tile_rule == TileScaleRule::power_of_two)
               : launch_splitkv<T, 16, false>(a, grid, smem, stream);
     } else if (rows == 32) {
       convert ? launch_splitkv<T, 32, true>(a, grid, smem, stream)

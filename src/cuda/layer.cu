@@ -357,7 +357,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
   }
   if (d->decode_requests > 0)
     d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable,
-                            options.batch_invariant);
+                            options.batch_invariant, f);
 
   // ---- metadata image -------------------------------------------------------------------
   Layout L;

@@ -165,7 +165,7 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
   }
   if (d.requests > 0)
     d.plan = plan_decode(d.requests, heads, std::max(1, md.max_decode_query_len), max_seq, portable,
-                         batch_invariant);
+                         batch_invariant, d.geo.format);
   auto align = [](size_t x) { return (x + 255) & ~size_t(255); };
   const size_t R = size_t(d.requests);
   d.off_seq = align(R * size_t(d.max_blocks) * 4);

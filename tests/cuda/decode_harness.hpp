@@ -64,6 +64,7 @@ struct DecodeCase {
   // > 0: cache row element k of position pos is scaled by 2^(spread * ((k / 128 + pos) % 4)),
   // so fp8_ds_mla tile scales differ between the column groups of a row and between keys.
   float column_spread = 0.0f;
+  TileScaleRule tile_rule = TileScaleRule::power_of_two;  // fp8_ds_mla tile scales
   uint64_t seed = 1;
 };
 
@@ -77,6 +78,7 @@ struct PlanTweak {
   int nosplit_keys = -1;
   int pair_keys = -1;
   bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
+  int fp8_ctas = 0;  // > 0: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row kernels)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -144,7 +146,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     for (int b = 0; b < nblocks[r]; ++b) tables[size_t(r) * max_blocks + b] = perm[next++];
 
   // ---- the host cache: all bytes 0xFF (NaN), then the used rows ----
-  LatentCache cache = LatentCache::allocate(c.format, bs, num_blocks, c.k_scale);
+  LatentCache cache = LatentCache::allocate(c.format, bs, num_blocks, c.k_scale, c.tile_rule);
   const size_t cache_bytes = size_t(cache.geometry().block_stride) * size_t(num_blocks);
   std::memset(cache.base(), 0xFF, cache_bytes);
   std::vector<float> row(kLatentDim);
@@ -258,6 +260,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
   p.cache.num_blocks = num_blocks;
   p.cache.format = c.format;
   p.cache.k_scale = c.k_scale;
+  p.cache.tile_rule = c.tile_rule;
   p.batch.block_tables = d_tables.ptr;
   p.batch.seq_lens = d_seq.ptr;
   p.batch.query_lens = d_qlens.ptr;
@@ -278,7 +281,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
   const int expected_flag = c.bad_block_request >= 0 ? kErrBadBlockId : 0;
 
   for (const PlanTweak& tweak : tweaks) {
-    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant);
+    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant, c.format);
     if (!c.batch_invariant && !schedule_forced())  // what plan_decode picks here
       EXPECT_EQ(plan.schedule, R > 1 ? DecodeSchedule::balanced : DecodeSchedule::per_request);
     if (tweak.num_splits) {
@@ -294,6 +297,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
     if (tweak.pdl) plan.programmatic_combine = true;
+    if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
@@ -307,7 +311,8 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
                  << (balanced ? plan.num_workers : plan.num_splits) << " (min "
                  << plan.sched_min_keys << ", nosplit " << plan.sched_nosplit_keys << ", pair "
                  << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
-                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : ""));
+                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
+                 << ", fp8 CTAs/SM " << plan.fp8_ctas_per_sm);
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);

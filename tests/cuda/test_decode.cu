@@ -885,15 +885,18 @@ TEST(CudaDecode, Fp8FragmentPathShapes) {
   }
 }
 
-// Sets an environment variable for one scope (the decode launch reads KMLA_FP8_CVT at
-// every call), restoring the old value after.
+// Sets (or, with nullptr, unsets) an environment variable for one scope (plan_decode reads
+// KMLA_FP8_CTAS and the launch KMLA_FP8_DSFOLD at every call), restoring the old value after.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     const char* old = std::getenv(name);
     had_ = old != nullptr;
     if (had_) old_ = old;
-    setenv(name, value, 1);
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
   }
   ~ScopedEnv() {
     if (had_)
@@ -908,50 +911,109 @@ class ScopedEnv {
   std::string old_;
 };
 
-// The other fragment-path kernels under bf16 activations: key codes converted on the
-// integer pipe (KMLA_FP8_CVT=mix: half of them, each times 256 by an f16 multiply; alu: all
-// of them, plain fp8 keeping code * 2^-8 and folding 2^8 into the fp32 scales), and the
-// partial S tiles summed one n-tile per warp (KMLA_FP8_SPLITSUM=1). Block sizes 16 / 64 /
-// 256 with head counts rotating through 1, 3, 12, 16, plus plain fp8 k_scale 2^-20 and 8 and
-// fp8_ds_mla tile scales up to 2^6 apart inside a row, so a lost 2^8, a code pair in the
-// wrong k-index, a scale on the wrong key or a partial S from the wrong warp shows.
+// Every fragment-path kernel under bf16 activations, on the same cases: plain fp8 (f16 mma),
+// fp8_ds_mla at two and three CTAs per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw
+// stages, P V converting its codes a second time from the raw tile), with its scales folded
+// into S and P (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0). Block
+// sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths around the
+// 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile
+// scales up to 2^6 apart inside a row and between keys, and amax-rule scales (not powers of
+// two: these must not be folded, the fold would round the keys differently), so a code pair
+// in the wrong k-index, a stage of the smaller ring read too early, a scale on the wrong key
+// or group (in S or in P), or a partial S from the wrong warp shows. The plans also go
+// through the per-request splits and the balanced schedule with hundreds of workers, so a
+// CTA runs several pieces back to back over the ring.
 TEST(CudaDecode, Fp8FragmentPathVariants) {
   KMLA_REQUIRE_GPU();
   uint64_t seed = 400;
-  int combo = 0;
-  for (const char* split : {"0", "1"}) {
-    ScopedEnv split_env("KMLA_FP8_SPLITSUM", split);
-    for (const char* cvt : {"hw", "mix", "alu"}) {
-      if (split[0] == '0' && cvt[0] == 'h') continue;  // Fp8FragmentPathShapes
-      ScopedEnv cvt_env("KMLA_FP8_CVT", cvt);
-      ++combo;
-      for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-        for (int i = 0; i < 4; ++i) {
-          const int bs = i == 3 ? 64 : 16 << (2 * i);
-          const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + combo) % 4];
-          DecodeCase c;
-          c.format = format;
-          c.act = DType::bf16;
-          c.q_fp8 = format == CacheFormat::fp8 && heads < 12;
-          c.q_scale = 0.5f;
-          // (larger scales would make the fp32 logits themselves too coarse for the reference)
-          c.k_scale = bs == 16 ? 0.75f : bs == 64 ? std::ldexp(1.0f, -20) : 8.0f;
-          c.column_spread = format == CacheFormat::fp8_ds_mla && bs == 256 ? 2.0f : 1.0f;
-          c.heads = heads;
-          c.block_size = bs;
-          const int q = std::max(1, std::min(4, 16 / heads));
-          c.seq_lens = {31, 32, 33, 0, 97, 128, 129, 1000};
-          c.query_lens = {1, q, 1, 0, q, 1, q, q};
-          c.seed = seed++;
-          SCOPED_TRACE(::testing::Message()
-                       << "cvt " << cvt << ", split sum " << split << ", "
-                       << cache_format_name(format) << ", block size " << bs << ", heads "
-                       << heads);
-          run_case(c, {{0, 0}, {1, 16}, {3, 16}});
+  for (const char* fold : {"1", "0"}) {
+    ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
+    for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+      if (fold[0] == '0' && format == CacheFormat::fp8) continue;  // fp8_ds_mla only
+      for (int i = 0; i < 5; ++i) {
+        const int bs = i >= 3 ? 64 : 16 << (2 * i);
+        const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + int(format)) % 4];
+        DecodeCase c;
+        c.format = format;
+        c.act = DType::bf16;
+        c.q_fp8 = format == CacheFormat::fp8 && heads < 12;
+        c.q_scale = 0.5f;
+        // (larger scales would make the fp32 logits themselves too coarse for the reference)
+        c.k_scale = bs == 16 ? 0.75f : bs == 64 ? std::ldexp(1.0f, -20) : 8.0f;
+        c.column_spread = format == CacheFormat::fp8_ds_mla && bs != 16 ? 2.0f : 1.0f;
+        if (i == 4) c.tile_rule = TileScaleRule::amax_448;
+        c.heads = heads;
+        c.block_size = bs;
+        const int q = std::max(1, std::min(4, 16 / heads));
+        c.seq_lens = {31, 32, 33, 0, 95, 96, 97, 128, 129, 160, 161, 1000};
+        c.query_lens = {1, q, 1, 0, q, 1, q, 1, q, 1, q, q};
+        c.seed = seed++;
+        SCOPED_TRACE(::testing::Message()
+                     << cache_format_name(format) << ", fold " << fold << ", block size " << bs
+                     << ", heads " << heads << (i == 4 ? ", amax scales" : ""));
+        std::vector<PlanTweak> tweaks;
+        for (int ctas : {2, 3}) {
+          if (ctas == 3 && format == CacheFormat::fp8) continue;  // no 3-CTA plain kernel
+          PlanTweak plan, split, balanced;
+          plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
+          split.num_splits = 3;
+          balanced.workers = 300;
+          plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
+          tweaks.insert(tweaks.end(), {plan, split, balanced});
         }
+        run_case(c, tweaks);
       }
     }
   }
+}
+
+// Plans made for fp8_ds_mla with 16-row tiles get three CTAs per SM (where they fit) and
+// 1.5 times the balanced workers unless KMLA_FP8_CTAS=2; every other plan keeps two; bad
+// values are errors.
+TEST(CudaDecode, PlanFp8CtasPerSm) {
+  KMLA_REQUIRE_GPU();
+  int device = 0, smem_per_sm = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                   device),
+            cudaSuccess);
+  const bool fits = smem_per_sm >= 3 * (75872 + 1024);  // the 3-CTA fp8_ds_mla kernel
+  const CacheFormat ds = CacheFormat::fp8_ds_mla;
+  const DecodePlan ref = [&] {
+    ScopedEnv two("KMLA_FP8_CTAS", "2");
+    return plan_decode(128, 12, 1, 8192, false, false, ds);
+  }();
+  EXPECT_EQ(ref.fp8_ctas_per_sm, 2);
+  ASSERT_EQ(ref.schedule, DecodeSchedule::balanced);
+  for (const char* env : {static_cast<const char*>(nullptr), "3"}) {
+    ScopedEnv ctas("KMLA_FP8_CTAS", env);
+    const DecodePlan p = plan_decode(128, 12, 1, 8192, false, false, ds);
+    EXPECT_EQ(p.fp8_ctas_per_sm, fits ? 3 : 2);
+    EXPECT_EQ(p.num_workers * 2, ref.num_workers * (fits ? 3 : 2));
+    EXPECT_GE(p.workspace_bytes, decode_workspace_bytes(p, 128, 12));
+    for (CacheFormat other : {CacheFormat::fp8, CacheFormat::bf16}) {
+      const DecodePlan o = plan_decode(128, 12, 1, 8192, false, false, other);
+      EXPECT_EQ(o.fp8_ctas_per_sm, 2);
+      EXPECT_EQ(o.num_workers, ref.num_workers);
+    }
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false).fp8_ctas_per_sm, 2);  // no format
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // portable
+    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, ds).fp8_ctas_per_sm, 2);  // invariant
+    EXPECT_EQ(plan_decode(128, 32, 1, 8192, false, false, ds).fp8_ctas_per_sm, 2);  // 32 rows
+  }
+  {
+    ScopedEnv bad("KMLA_FP8_CTAS", "4");
+    EXPECT_THROW(plan_decode(128, 12, 1, 8192, false, false, ds), Error);
+  }
+  DecodeParams p;
+  p.heads = 12;
+  p.cache.format = ds;
+  p.cache.block_size = 64;
+  DecodePlan bad = ref;
+  bad.fp8_ctas_per_sm = 1;
+  EXPECT_THROW(decode_attention(p, bad, nullptr, nullptr), Error);
+  bad.fp8_ctas_per_sm = 3;
+  EXPECT_NO_THROW(decode_attention(p, bad, nullptr, nullptr));  // no requests: nothing runs
 }
 
 // A block id outside the cache on the fragment path: flagged, its keys invisible.
