@@ -268,6 +268,220 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
   return false;
 }
 
+// ---- CTA pairs (the wgmma kernel's clusters of two) ------------------------------------
+// With DecodePlan::sm90_pair and two 64-row tiles per request (65..128 rows), the wgmma
+// kernel runs as clusters of 2 CTAs that walk the same pieces: CTA rank k takes row tile k
+// of the piece's request over the same key range, and each copies half of every key tile
+// into both (TMA multicast), so each SM pulls half the bytes from L2. A request whose rows
+// fit one tile (a 64-head request with one token among two-token ones) runs on rank 0
+// alone, without multicast; rank 1 skips it. The unit of work is therefore the request,
+// not the (request, row tile) pair: it costs the key tiles its last row sees (both ranks
+// take that range; rank 0's rows see at most as many keys and mask the rest) plus one
+// start-up charge, and a pair worker (cluster c of CTAs 2c and 2c + 1) takes an equal share
+// of the total as in the balanced schedule.
+//
+// Partial slots. Rank k's pieces of a cut request use the balanced layout with the
+// "virtual worker" v = k W + c (W clusters at work): a cluster still cuts at most the
+// request at each end of its share, so v needs the same two slots 2v, 2v + 1, and the
+// combine reads (first v, pieces) from the pair table of row tile k as before. v < 2 W <=
+// the grid's CTAs <= plan.num_workers, so the plan's workspace covers it.
+
+// Rows and key tiles of request r as a pair unit: -1 when it has no rows; *kmax = the keys
+// its last row sees (the range both ranks walk).
+__host__ __device__ inline int request_pair_tiles(const DecodeArgs& a, int key_tile, int r,
+                                                  int* nrows, int* kmax) {
+  const int qlen = a.query_lens[r], seq = a.seq_lens[r];
+  *nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  if (*nrows <= 0) return -1;
+  *kmax = decode_row_keys(a, qlen, seq, *nrows, *nrows - 1);
+  return (*kmax + key_tile - 1) / key_tile;
+}
+
+// Cost of request r under the pair walk: its key tiles plus one start-up charge.
+__host__ __device__ inline int64_t request_pair_units(const DecodeArgs& a, int key_tile,
+                                                      const SchedUnits& u, int r) {
+  int nrows = 0, kmax = 0;
+  const int tiles = request_pair_tiles(a, key_tile, r, &nrows, &kmax);
+  return tiles < 0 ? 0 : tiles + u.pair;
+}
+
+// The pair walk's next piece for rank `rank` (0, 1) of cluster st.worker: like next_piece,
+// over requests; requests without a row tile `rank` are skipped (rank 1 of a one-tile
+// request). *shared: both ranks run this piece (the request has rows in both tiles), so
+// they copy its keys together. The pair table entry of row tile `rank` is written by that
+// rank (when write_table).
+template <int ROWS, int KEY_TILE>
+__host__ __device__ inline bool next_pair_piece(const DecodeArgs& a, WalkState& st, int rank,
+                                                bool write_table, DecodeWork& w, bool* shared) {
+  const SchedUnits& u = st.u;
+  const int64_t short_units = (st.total / st.workers) / 8;  // as next_piece
+  while (st.r < a.num_requests && st.off < st.hi) {
+    const int r = st.r++;
+    int nrows = 0, kmax = 0;
+    const int tiles = request_pair_tiles(a, KEY_TILE, r, &nrows, &kmax);
+    if (tiles < 0) continue;  // no rows, no units
+    const int64_t off = st.off, units = tiles + u.pair, end = off + units;
+    st.off = end;
+    if (rank * ROWS >= nrows) continue;  // rank 1 of a one-tile request
+    w.r = r;
+    w.qlen = a.query_lens[r];
+    w.seq = a.seq_lens[r];
+    w.nrows = nrows;
+    w.row0 = rank * ROWS;
+    *shared = nrows > ROWS;
+    const int64_t pair = int64_t(r) * a.row_tiles + rank;
+    if (tiles <= u.nosplit || units <= short_units) {
+      const int64_t mid = off + units / 2;
+      if (st.lo <= mid && mid < st.hi) {
+        w.key0 = 0;
+        w.key1 = kmax;
+        w.direct = true;
+        w.part = 0;
+        w.part_stride = 0;
+        if (write_table) a.pair_table[pair] = make_int2(rank * st.workers + st.worker, 1);
+        return true;
+      }
+    } else if (end > st.lo) {
+      const int c0 = worker_of(off, st.total, st.workers);
+      const int n = worker_of(end - 1, st.total, st.workers) - c0 + 1, s = st.worker - c0;
+      const int64_t u0 = (st.lo > off ? st.lo : off) - off, u1 = (st.hi < end ? st.hi : end) - off;
+      const int t0 = int(u0 * tiles / units), t1 = int(u1 * tiles / units);
+      w.key0 = t0 * KEY_TILE;
+      w.key1 = t1 * KEY_TILE < kmax ? t1 * KEY_TILE : kmax;
+      if (w.key1 < w.key0) w.key1 = w.key0;
+      w.direct = n == 1;
+      const int v0 = rank * st.workers + c0;  // the virtual first worker (see above)
+      w.part = balanced_partial(v0, n, s, ROWS, 0);
+      w.part_stride = 1;
+      if (s == 0 && write_table) a.pair_table[pair] = make_int2(v0, n);
+      return true;
+    }
+  }
+  return false;
+}
+
+// The per-request grid (2, num_splits, R) as clusters of the two row tiles: like
+// per_request_work, but both ranks split the range of the request's last row. False when
+// this rank's tile has no rows. Not for batch-invariant plans.
+template <int ROWS, int KEY_TILE>
+__host__ __device__ inline bool pair_request_work(const DecodeArgs& a, int rank, int split,
+                                                  int r, DecodeWork& w, bool* shared) {
+  w.r = r;
+  int kmax = 0;
+  const int tiles_all = request_pair_tiles(a, KEY_TILE, r, &w.nrows, &kmax);
+  w.row0 = rank * ROWS;
+  if (tiles_all < 0 || w.row0 >= w.nrows) return false;
+  w.qlen = a.query_lens[r];
+  w.seq = a.seq_lens[r];
+  *shared = w.nrows > ROWS;
+  const int tiles_per_split = (tiles_all + a.num_splits - 1) / a.num_splits;
+  w.key0 = split * tiles_per_split * KEY_TILE;
+  w.key1 = w.key0 + tiles_per_split * KEY_TILE < kmax ? w.key0 + tiles_per_split * KEY_TILE : kmax;
+  if (w.key1 < w.key0) w.key1 = w.key0;
+  w.direct = a.direct_out;
+  w.part = (int64_t(r) * a.max_rows + w.row0) * a.num_splits + split;
+  w.part_stride = a.num_splits;
+  return true;
+}
+
+#ifdef __CUDACC__
+// The pair walk's prologue, as balanced_prologue with requests as units and clusters as
+// workers (cluster c = CTAs 2c, 2c + 1 of the grid): both CTAs of a cluster find the same
+// share. False when the cluster has nothing to do (then both ranks return).
+template <int ROWS, int KEY_TILE>
+__device__ __forceinline__ bool pair_prologue(const DecodeArgs& a, int64_t* walk_s) {
+  __shared__ int64_t warp_sum_s[32];
+  __shared__ int64_t start_s[2];
+  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
+  const SchedUnits u = sched_units(a, KEY_TILE);
+  const int per = (a.num_requests + nthreads - 1) / nthreads;
+  const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
+  int64_t mine = 0;
+  for (int r = rb; r < re; ++r) mine += request_pair_units(a, KEY_TILE, u, r);
+  int64_t incl = mine;
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sum_s[warp] = incl;
+  __syncthreads();
+  int64_t before = incl - mine, total = 0;
+  for (int i = 0; i < nthreads / 32; ++i) {
+    const int64_t v = warp_sum_s[i];
+    if (i < warp) before += v;
+    total += v;
+  }
+  if (total == 0) return false;
+  const int workers = balanced_workers(total, int(gridDim.x) / 2, u.min_worker);
+  const int worker = int(blockIdx.x) / 2;
+  if (worker >= workers) return false;
+  const int64_t lo = share_begin(worker, total, workers);
+  if (mine > 0 && before <= lo && lo < before + mine) {
+    int64_t off = before;
+    for (int r = rb; r < re; ++r) {
+      const int64_t units = request_pair_units(a, KEY_TILE, u, r);
+      if (lo < off + units) {
+        start_s[0] = r;
+        start_s[1] = off;
+        break;
+      }
+      off += units;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const WalkState st = start_walk(u, worker, workers, total, int(start_s[0]), start_s[1]);
+    memcpy(walk_s, &st, sizeof(st));
+  }
+  __syncthreads();
+  return true;
+}
+
+// for_each_decode_work for a kernel launched as clusters of 2 along x (the pair walk above,
+// or the per-request grid (2, num_splits, R)): runs `run(work, shared)` for each piece of
+// this CTA, shared = the peer CTA runs the same piece (see next_pair_piece). Both CTAs of a
+// cluster see the same sequence of shared pieces, so cluster-wide barriers inside `run`
+// (only on shared pieces) match up.
+template <int ROWS, int KEY_TILE, class Run>
+__device__ __forceinline__ void for_each_pair_work(const DecodeArgs& a, Run&& run) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  static_assert(sizeof(WalkState) % sizeof(int64_t) == 0 && sizeof(DecodeWork) % 8 == 0);
+  __shared__ int64_t walk_s[sizeof(WalkState) / sizeof(int64_t)];
+  __shared__ int64_t work_s[sizeof(DecodeWork) / sizeof(int64_t)];
+  __shared__ int shared_s;
+  const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
+  const int tid = int(threadIdx.x), rank = int(blockIdx.x) & 1;
+  if (a.balanced && !pair_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
+  for (;;) {
+    DecodeWork w;
+    bool shared = false, more;
+    if (!a.balanced) {
+      more = pair_request_work<ROWS, KEY_TILE>(a, rank, int(blockIdx.y), int(blockIdx.z), w,
+                                               &shared);
+    } else {
+      WalkState st;
+      memcpy(&st, walk_s, sizeof(st));
+      more = next_pair_piece<ROWS, KEY_TILE>(a, st, rank, tid == 0, w, &shared);
+      if (more) __syncthreads();  // everyone has read the state (uniform)
+      if (more && tid == 0) memcpy(walk_s, &st, sizeof(st));
+    }
+    if (!more) return;
+    if (tid == 0) {
+      memcpy(work_s, &w, sizeof(w));
+      shared_s = shared;
+    }
+    __syncthreads();
+    run(work, shared_s != 0);
+    if (!a.balanced) return;  // one piece per cluster
+    __syncthreads();  // the next piece reuses shared memory
+  }
+}
+#endif
+
 #ifdef __CUDACC__
 // The balanced schedule's prologue: every thread sums the units of a contiguous run of
 // requests, a block-wide scan turns those into offsets, and the thread whose run holds this

@@ -44,10 +44,20 @@ void decode_sm90_set_options(const DecodeSm90Options& o);
 // the driver cannot encode; all compute the same). For tests and diagnostics.
 int decode_sm90_tma_keys(const DecodeParams& p);
 
+// Whether decode_attention runs `p` under `plan` (which decode_sm90_supports) as CTA pairs:
+// plan.sm90_pair (KMLA_DECODE_PAIR=1), bf16, the wide S, TMA copies, 65..128 rows per
+// request (two 64-row tiles), and a GPU that holds clusters of two such CTAs. A pair is a
+// cluster of 2 CTAs taking the two row tiles of one request over the same keys, each copying
+// half of every key tile into both (TMA multicast): docs/decode_sm90.md, "CTA pairs".
+bool decode_sm90_pair_runs(const DecodeParams& p, const DecodePlan& plan);
+
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
-// (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
-// a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for the combine.
-void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream);
+// (ceil(max_rows / 64), num_splits, num_requests), or (num_workers) balanced. Writes out /
+// lse directly when a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for
+// the combine. With `pair` (plan.sm90_pair) it launches CTA pairs where they can run (see
+// decode_sm90_pair_runs; the balanced grid then shrinks to the clusters the GPU holds).
+void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
+                        cudaStream_t stream);
 
 // Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
 // in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's

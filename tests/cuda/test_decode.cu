@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda/decode_sched.cuh"
+#include "cuda/decode_sm90.cuh"
 #include "decode_harness.hpp"
 
 namespace kmla::cuda {
@@ -967,6 +968,426 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
     c.bad_block_request = 0;  // keys [96, 100) become invisible
     c.seed = 300 + int(format);
     run_case(c, {{0, 16}, {2, 16}});
+  }
+}
+
+
+// ---- CTA pairs (the wgmma kernel as clusters of two, DecodePlan::sm90_pair) ------------------
+// The pair walk replayed on the CPU for every cluster and both ranks of random batches with
+// 65..128 rows per request: every live row tile's keys [0, request kmax) are covered once, in
+// order, tile aligned, by pieces of its own rank; the slots of cut pieces are those the pair
+// table names for the combine, used once, inside the plan's 2 x num_workers; both ranks of a
+// cluster walk the same shared pieces (same request and keys) in the same order; and the
+// per-request pair grid covers every split's range the same way.
+struct PairPiece {
+  int cluster, rank, r, key0, key1;
+  bool direct, shared;
+  int64_t part;
+};
+
+void check_pair_schedule(const HostSchedCase& c) {
+  constexpr int ROWS = 64, KT = 64;
+  const int R = int(c.seq.size());
+  DecodeArgs a{};
+  a.seq_lens = c.seq.data();
+  a.query_lens = c.qlen.data();
+  a.num_requests = R;
+  a.heads = c.heads;
+  a.causal = c.causal;
+  a.max_rows = c.max_qlen * c.heads;
+  a.balanced = true;
+  a.num_workers = c.grid;
+  a.rows_per_cta = ROWS;
+  a.row_tiles = (a.max_rows + ROWS - 1) / ROWS;
+  ASSERT_EQ(a.row_tiles, 2);
+  a.sched_pair_keys = c.pair_keys;
+  a.sched_min_keys = c.min_keys;
+  a.sched_nosplit_keys = c.nosplit_keys;
+  std::vector<int2> table(size_t(R) * 2, make_int2(-1, -1));
+  a.pair_table = table.data();
+  const SchedUnits u = sched_units(a, KT);
+  std::vector<int64_t> off(R + 1, 0);
+  for (int r = 0; r < R; ++r) off[r + 1] = off[r] + request_pair_units(a, KT, u, r);
+  const int64_t total = off[R];
+  if (total == 0) return;
+  const int grid = c.grid / 2 * 2;  // the launch's clusters of two
+  const int workers = balanced_workers(total, grid / 2, u.min_worker);
+  ASSERT_LE(2 * workers, grid);
+
+  std::vector<std::vector<PairPiece>> pieces(table.size());
+  std::vector<int> slot_uses(size_t(2) * c.grid, 0);
+  for (int w = 0; w < workers; ++w) {
+    std::vector<PairPiece> walked[2];
+    for (int rank = 0; rank < 2; ++rank) {
+      const int64_t lo = share_begin(w, total, workers);
+      const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
+      WalkState st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
+      DecodeWork p;
+      bool shared = false;
+      while (next_pair_piece<ROWS, KT>(a, st, rank, true, p, &shared)) {
+        ASSERT_EQ(p.row0, rank * ROWS);
+        walked[rank].push_back({w, rank, p.r, p.key0, p.key1, p.direct, shared, p.part});
+        pieces[size_t(p.r) * 2 + rank].push_back(walked[rank].back());
+        if (!p.direct) {
+          ASSERT_EQ(p.part % ROWS, 0);
+          ASSERT_LT(p.part / ROWS, int64_t(2) * c.grid) << "slot outside the workspace";
+          ++slot_uses[size_t(p.part / ROWS)];
+        }
+      }
+    }
+    // Rank 1 only has the shared pieces; rank 0 the same ones in the same order (and the
+    // one-tile requests in between).
+    std::vector<PairPiece> shared0;
+    for (const PairPiece& q : walked[0])
+      if (q.shared) shared0.push_back(q);
+    ASSERT_EQ(shared0.size(), walked[1].size()) << "cluster " << w;
+    for (size_t i = 0; i < shared0.size(); ++i) {
+      EXPECT_TRUE(walked[1][i].shared);
+      EXPECT_EQ(shared0[i].r, walked[1][i].r);
+      EXPECT_EQ(shared0[i].key0, walked[1][i].key0);
+      EXPECT_EQ(shared0[i].key1, walked[1][i].key1);
+      EXPECT_EQ(shared0[i].direct, walked[1][i].direct);
+    }
+  }
+  for (int uses : slot_uses) EXPECT_LE(uses, 1) << "a partial slot used twice";
+
+  for (int r = 0; r < R; ++r) {
+    const int nrows = std::min(c.qlen[r] * c.heads, a.max_rows);
+    const int kmax = nrows == 0 ? 0
+                                : std::max(0, c.causal ? c.seq[r] - (c.qlen[r] - 1 - (nrows - 1) / c.heads)
+                                                       : c.seq[r]);
+    for (int t = 0; t < 2; ++t) {
+      const auto& ps = pieces[size_t(r) * 2 + t];
+      if (t * ROWS >= nrows) {
+        EXPECT_TRUE(ps.empty()) << "pieces for a tile without rows";
+        continue;
+      }
+      SCOPED_TRACE(::testing::Message() << "request " << r << " (seq " << c.seq[r] << ", qlen "
+                                        << c.qlen[r] << ") tile " << t);
+      ASSERT_FALSE(ps.empty()) << "a live tile got no piece";
+      const int2 info = table[size_t(r) * 2 + t];
+      ASSERT_EQ(info.y, int(ps.size()));
+      int next = 0;
+      for (size_t s = 0; s < ps.size(); ++s) {
+        EXPECT_EQ(ps[s].shared, nrows > ROWS);
+        EXPECT_EQ(ps[s].key0 % KT, 0);
+        if (ps[s].key1 > ps[s].key0) {
+          EXPECT_EQ(ps[s].key0, next) << "piece " << s << " leaves a gap or overlaps";
+          next = ps[s].key1;
+        }
+        EXPECT_EQ(ps[s].direct, ps.size() == 1);
+        if (ps.size() > 1) {
+          EXPECT_EQ(ps[s].cluster + t * workers, info.x + int(s));
+          for (int row = 0; row < ROWS; ++row)
+            EXPECT_EQ(ps[s].part + row, balanced_partial(info.x, info.y, int(s), ROWS, row));
+        }
+      }
+      EXPECT_EQ(next, kmax) << "keys not covered to the end";
+    }
+
+    // The per-request pair grid (2, splits, R).
+    for (int splits : {1, 3, 17}) {
+      a.balanced = false;
+      a.num_splits = splits;
+      a.direct_out = splits == 1;
+      for (int t = 0; t < 2; ++t) {
+        int next = 0;
+        for (int sp = 0; sp < splits; ++sp) {
+          DecodeWork p;
+          bool shared = false;
+          const bool live = pair_request_work<ROWS, KT>(a, t, sp, r, p, &shared);
+          ASSERT_EQ(live, t * ROWS < nrows);
+          if (!live) break;
+          EXPECT_EQ(shared, nrows > ROWS);
+          EXPECT_EQ(p.part, (int64_t(r) * a.max_rows + t * ROWS) * splits + sp);
+          if (p.key1 > p.key0) {
+            EXPECT_EQ(p.key0, next);
+            next = p.key1;
+          }
+        }
+        if (t * ROWS < nrows) EXPECT_EQ(next, kmax) << splits << " splits, tile " << t;
+      }
+      a.balanced = true;
+    }
+  }
+}
+
+TEST(DecodeSched, PairWalkCoversEveryKeyOnce) {
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 300; ++trial) {
+    HostSchedCase c;
+    const int R = 1 + int(rng() % (trial % 3 == 0 ? 300 : 20));
+    // 65..128 rows per request at the plan's max: 128 / 96 / 65 heads x 1, 64 x 2, 37 x 3,
+    // 13 x 5 (a second tile of one row).
+    const int shapes[][2] = {{128, 1}, {96, 1}, {65, 1}, {64, 2}, {37, 3}, {13, 5}, {100, 1}};
+    const auto& shape = shapes[rng() % 7];
+    c.heads = shape[0];
+    c.max_qlen = shape[1];
+    c.causal = rng() % 4 != 0;
+    c.grid = 2 + int(rng() % (trial % 2 ? 132 : 1023));
+    c.pair_keys = int(rng() % 3) * 32;
+    c.min_keys = int(rng() % 3) * 256;
+    c.nosplit_keys = int(rng() % 3) * 512;
+    for (int r = 0; r < R; ++r) {
+      const int kind = int(rng() % 10);
+      c.seq.push_back(kind == 0 ? 0 : kind == 1 ? 1 + int(rng() % 3) * 64 - int(rng() % 2)
+                      : kind == 2 ? 20000 + int(rng() % 50000) : int(rng() % 3000));
+      c.qlen.push_back(kind == 3 ? 0 : 1 + int(rng() % c.max_qlen));
+    }
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << R << " requests, "
+                                      << c.heads << " heads x " << c.max_qlen << ", grid "
+                                      << c.grid);
+    check_pair_schedule(c);
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// Whether the current GPU is an sm_90 one (where the wgmma kernel, and so pairs, run).
+bool gpu_is_sm90() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return false;
+  return major == 9;
+}
+
+// Sets KMLA_DECODE_PAIR (read by plan_decode) while it lives; restores what was there.
+class PairSwitch {
+ public:
+  explicit PairSwitch(bool on) {
+    const char* v = std::getenv("KMLA_DECODE_PAIR");
+    had_ = v != nullptr;
+    if (had_) saved_ = v;
+    setenv("KMLA_DECODE_PAIR", on ? "1" : "0", 1);
+  }
+  ~PairSwitch() { had_ ? (void)setenv("KMLA_DECODE_PAIR", saved_.c_str(), 1) : (void)unsetenv("KMLA_DECODE_PAIR"); }
+  PairSwitch(const PairSwitch&) = delete;
+  PairSwitch& operator=(const PairSwitch&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string saved_;
+};
+
+// run_case with the pair switch on and off. On an sm_90 GPU every plan must take the pair
+// kernel exactly where it can (bf16, a block size that TMA copies, at least one cluster of
+// workers, two row tiles) when on, and never when off; elsewhere the cases run the other
+// kernels.
+void run_pair_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
+  for (const bool on : {true, false}) {
+    const PairSwitch sw(on);
+    CaseHooks hooks;
+    hooks.label = on ? "pairs on" : "pairs off";
+    hooks.check_plan = [&](const DecodeParams& p, const DecodePlan& plan) {
+      EXPECT_EQ(plan.sm90_pair, on);
+      if (!gpu_is_sm90() || !decode_sm90_supports(p, plan)) return;
+      const int64_t rows = int64_t(plan.max_query_len) * p.heads;
+      const bool balanced = plan.schedule == DecodeSchedule::balanced;
+      const bool want = on && p.act == DType::bf16 && p.cache.block_size % 8 == 0 &&
+                        decode_sm90_options().tma && decode_sm90_options().wide_s &&
+                        rows > 64 && rows <= 128 && (!balanced || plan.num_workers >= 2);
+      EXPECT_EQ(decode_sm90_pair_runs(p, plan), want);
+    };
+    run_case(c, tweaks, hooks);
+  }
+}
+
+// The plan's balanced walk, a few pair workers (2 and 5 CTAs: one cluster, the odd CTA
+// left out), cut pieces with every request split (1-tile shares), and the per-request grid
+// with 1, 3 and 40 splits.
+const std::vector<PlanTweak> kPairTweaks = {{0, 0},
+                                            {0, 0, false, 2},
+                                            {0, 0, false, 5},
+                                            {0, 0, false, 300, 0, 0, 0},
+                                            {1, 0},
+                                            {3, 0},
+                                            {40, 0}};
+
+// 128 heads: both tiles full; lengths around the 64-key tiles and blocks, a padded slot.
+TEST(CudaDecodePair, Heads128MixedLengths) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 128;
+  c.block_size = 64;
+  c.seq_lens = {1, 63, 900, 64, 65, 127, 128, 129, 1000, 0, 4100};
+  c.query_lens = {1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+  c.seed = 61;
+  run_pair_case(c, kPairTweaks);
+}
+
+// 96 heads: the second tile has 32 valid rows (Q rows past them zero, never written); block
+// size 16, so each rank copies half of 4 groups x 9 panels per tile.
+TEST(CudaDecodePair, Heads96RaggedSecondTile) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 96;
+  c.block_size = 16;
+  c.seq_lens = {2, 64, 65, 191, 192, 193, 3000, 17};
+  c.query_lens = {1, 1, 1, 1, 1, 1, 1, 1};
+  c.seed = 62;
+  run_pair_case(c, kPairTweaks);
+}
+
+// 64 heads x 2 causal tokens (tile 0 = token 0, one key less), with one-token requests
+// mixed in: those have one tile, which rank 0 runs alone while rank 1 skips it. Block sizes
+// 256 (one TMA group per tile) and 8 (eight).
+TEST(CudaDecodePair, Heads64TwoTokensAndOneTileRequests) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 64;
+  c.block_size = 256;
+  c.seq_lens = {2, 1, 63, 64, 65, 1000, 0, 4100, 300, 129};
+  c.query_lens = {2, 2, 1, 2, 1, 2, 0, 2, 1, 2};
+  c.seed = 63;
+  run_pair_case(c, kPairTweaks);
+  c.block_size = 8;
+  c.seed = 64;
+  run_pair_case(c, kPairTweaks);
+}
+
+// Odd head counts x q so the second tile is ragged and its rows straddle tokens: 37 x 3
+// causal (111 rows: 64 + 47) and 13 x 5 (65 rows: the second tile holds one row), non-causal
+// too, lengths below the query length and just off the tile ends; block size 32.
+TEST(CudaDecodePair, OddHeadsTimesTokens) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 37;
+  c.block_size = 32;
+  c.seq_lens = {3, 2, 64, 66, 65, 1000, 2500};
+  c.query_lens = {3, 3, 3, 3, 2, 3, 1};
+  c.seed = 65;
+  run_pair_case(c, kPairTweaks);
+  c.heads = 13;
+  c.seq_lens = {5, 63, 64, 68, 129, 1500, 4};
+  c.query_lens = {5, 5, 5, 5, 4, 5, 5};
+  c.seed = 66;
+  run_pair_case(c, kPairTweaks);
+  c.causal = false;
+  c.seed = 67;
+  run_pair_case(c, kPairTweaks);
+}
+
+// Cases where pairs cannot run must still be right and must not claim to pair: block size
+// 100 (no TMA: cp.async), f16 (no pair instantiation); and a bad block id under pairs (its
+// group is copied by neither rank; both zero its V rows and mask it).
+TEST(CudaDecodePair, FallbacksAndBadBlock) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 128;
+  c.block_size = 100;
+  c.seq_lens = {1, 100, 101, 1000};
+  c.query_lens = {1, 1, 1, 1};
+  c.seed = 68;
+  run_pair_case(c, {{0, 0}, {2, 0}});
+  c.block_size = 64;
+  c.format = CacheFormat::fp16;
+  c.act = DType::f16;
+  c.seed = 69;
+  run_pair_case(c, {{0, 0}, {2, 0}});
+  c.format = CacheFormat::bf16;
+  c.act = DType::bf16;
+  c.seq_lens = {300, 1000, 77};
+  c.query_lens = {1, 1, 1};
+  c.bad_block_request = 1;
+  c.seed = 70;
+  run_pair_case(c, {{0, 0}, {1, 0}, {4, 0}, {0, 0, false, 300, 0, 0, 0}});
+}
+
+// A CUDA graph of a pair launch replays with other lengths of the same shape: captured with
+// one set of lengths, replayed after the device lengths change, it must give bitwise what a
+// plain call gives for the new lengths (and differ from the captured lengths' result, so the
+// replay really reads them).
+TEST(CudaDecodePair, GraphReplayWithOtherLengths) {
+  KMLA_REQUIRE_GPU();
+  const PairSwitch sw(true);
+  const int R = 6, H = 128, bs = 64, max_seq = 3000, max_blocks = max_seq / bs + 1;
+  std::mt19937 rng(71);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  const int num_blocks = R * max_blocks;
+  std::vector<int32_t> tables(static_cast<size_t>(num_blocks));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  std::vector<uint16_t> cache(size_t(num_blocks) * bs * kLatentDim), q(size_t(R) * H * kLatentDim);
+  for (auto& v : cache) v = float_to_bf16(uni(rng));
+  for (auto& v : q) v = float_to_bf16(uni(rng));
+  std::vector<int32_t> start(R + 1), qlens(R, 1);
+  std::iota(start.begin(), start.end(), 0);
+  const std::vector<int32_t> lens_a = {3000, 1, 64, 2000, 0, 129};
+  const std::vector<int32_t> lens_b = {65, 2999, 1500, 63, 700, 0};
+  DevBuf<uint16_t> d_cache(cache), d_q(q), d_out(size_t(R) * H * kKvLoraRank);
+  DevBuf<int32_t> d_tables(tables), d_seq(lens_a), d_qlens(qlens), d_start(start);
+  DevBuf<float> d_lse(size_t(R) * H);
+  DevBuf<int> d_flag(1);
+  d_flag.fill_bytes(0);
+
+  DecodeParams p;
+  p.q = d_q.ptr;
+  p.cache.base = reinterpret_cast<std::byte*>(d_cache.ptr);
+  p.cache.block_stride = int64_t(bs) * kLatentDim * 2;
+  p.cache.block_size = bs;
+  p.cache.num_blocks = num_blocks;
+  p.cache.format = CacheFormat::bf16;
+  p.batch.block_tables = d_tables.ptr;
+  p.batch.seq_lens = d_seq.ptr;
+  p.batch.query_lens = d_qlens.ptr;
+  p.batch.query_start = d_start.ptr;
+  p.batch.num_requests = R;
+  p.batch.max_blocks = max_blocks;
+  p.batch.num_rows = R;
+  p.heads = H;
+  p.causal = true;
+  p.softmax_scale = 1.0f / std::sqrt(192.0f);
+  p.act = DType::bf16;
+  p.out = d_out.ptr;
+  p.lse = d_lse.ptr;
+  p.error_flag = d_flag.ptr;
+
+  for (int splits : {0, 3}) {  // the plan's balanced walk, and the per-request pair grid
+    DecodePlan plan = plan_decode(R, H, 1, max_seq, false, false);
+    if (splits) {
+      plan.schedule = DecodeSchedule::per_request;
+      plan.num_splits = splits;
+      plan.workspace_bytes = decode_workspace_bytes(plan, R, H);
+    }
+    SCOPED_TRACE(::testing::Message() << (splits ? "per request" : "balanced"));
+    if (gpu_is_sm90()) EXPECT_TRUE(decode_sm90_pair_runs(p, plan));
+    DevBuf<uint8_t> d_ws(plan.workspace_bytes);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    auto run_plain = [&](const std::vector<int32_t>& lens) {
+      d_seq.upload(lens);
+      d_ws.fill_bytes(0xFF);
+      d_out.fill_bytes(0xFF);
+      decode_attention(p, plan, d_ws.ptr, stream);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      return std::make_pair(d_out.download(), d_lse.download());
+    };
+    const auto want_a = run_plain(lens_a);
+    const auto want_b = run_plain(lens_b);
+    EXPECT_NE(want_a.first, want_b.first);
+
+    d_seq.upload(lens_a);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    decode_attention(p, plan, d_ws.ptr, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (const auto* lens : {&lens_b, &lens_a, &lens_b}) {
+      d_seq.upload(*lens);
+      d_ws.fill_bytes(0xFF);
+      d_out.fill_bytes(0xFF);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const auto& want = lens == &lens_a ? want_a : want_b;
+      EXPECT_EQ(d_out.download(), want.first) << "graph replay differs from a plain call";
+      std::vector<float> lse = d_lse.download();
+      EXPECT_EQ(std::memcmp(lse.data(), want.second.data(), lse.size() * 4), 0);
+    }
+    EXPECT_EQ(d_flag.download()[0], 0);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
 }
 
