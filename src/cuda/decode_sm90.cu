@@ -259,6 +259,16 @@ struct KernelFlags {
 // The kernel runs one piece of work (decode_sched.cuh) per call; under the balanced schedule a
 // CTA runs several in turn, so the TMA mbarriers are invalidated at the end of each piece and
 // initialised afresh (phase 0) by the next.
+//
+// CTA pairs (kPair, DecodePlan::sm90_pair; docs/decode_sm90.md, "CTA pairs"): the kernel runs
+// as clusters of 2, rank k taking row tile k of a request over the same keys as its peer. On
+// such a "shared" piece warp 0 of each rank issues the copies (group j, panel p) with
+// (j + p + tile) % 2 == rank, multicast into both CTAs; each full barrier still expects the
+// whole tile. A stage is refilled only when both CTAs are done with it: after the tile
+// barrier thread 0 arrives on the peer's empty barrier of the stage to refill, and warp 0
+// waits on its own (the peer's arrive) before issuing. Cluster barriers after the barrier
+// init and after the last tile keep either CTA from touching the other's shared memory
+// outside the piece. Static shared memory: 16 B more (the empty barriers).
 template <class T, bool kWideS, bool kPair = false>
 __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
                                            const KernelFlags& flags, const CUtensorMap& kmap,
