@@ -211,6 +211,8 @@ struct KernelFlags {
   // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
   // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
   int tma_keys;
+  // Pair kernel only: warp 0 issues the copies, not warp 4 (DecodeSm90Options).
+  bool pair_issue_wg0;
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -340,12 +342,16 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int tma_keys = flags.tma_keys;
   const bool tma = tma_keys > 0;
   const int lane_c = tid & 31;
+  // The warp that issues the copies: warp 0, or with pairs and the wide S (unless
+  // flags.pair_issue_wg0) warp 4, the first of warpgroup 1, which idles while warpgroup 0
+  // computes S and the softmax: its wait for the peer then does not hold up S.
+  const bool issuer = kPair && kWideS && !flags.pair_issue_wg0 ? (tid >> 5) == 4 : tid < 32;
   // Pair (kPair, a piece both CTAs of the cluster run): each copies half the tile to both.
   const bool pair = kPair && shared && tma;
   const uint32_t rank = kPair ? cluster_rank() : 0;
   auto fetch_group = [&](int tile) -> int {
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
-    return tid < 32 && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
+    return issuer && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
                ? table[pos / a.block_size]
                : -1;
   };
@@ -392,7 +398,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   auto issue_any = [&](int tile, int block) {
     if (!tma)
       issue(tile, block);
-    else if (tid < 32)
+    else if (issuer)
       issue_tma(tile, block);
   };
   // Which tiles get loaded at all (the "compute" profile stops after tile 1).
@@ -449,7 +455,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         // stage's use count).
         const int next_stage = (tile + 1) & 1;
         if (tid == 0) mbar_arrive_peer(&empty_bar[next_stage], rank ^ 1u);
-        if (tid < 32) mbar_wait_cluster(&empty_bar[next_stage], uint32_t(((tile + 1) >> 1) - 1) & 1u);
+        if (issuer) mbar_wait_cluster(&empty_bar[next_stage], uint32_t(((tile + 1) >> 1) - 1) & 1u);
       }
       issue_any(tile + 1, b);
     }
@@ -766,6 +772,7 @@ DecodeSm90Options& current_options() {
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
+    o.pair_issue_wg1 = env_switch("KMLA_DECODE_SM90_PAIR_ISSUE_WG1", o.pair_issue_wg1);
     return o;
   }();
   return opt;
@@ -926,8 +933,9 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
       cfg.attrs = attr;
       cfg.numAttrs = 1;
       const DecodeSm90Options& o = current_options();
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a,
-                                         KernelFlags{o.skip_rescale, profile_mode(), group}, kmap));
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(
+          &cfg, kernel, a,
+          KernelFlags{o.skip_rescale, profile_mode(), group, !o.pair_issue_wg1}, kmap));
       return;
     }
   }
@@ -942,7 +950,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group}, kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, false}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -30,11 +30,15 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      shared-memory traffic for S) and the softmax, while
 //                                      warpgroup 1 waits (default 1: measured 1-4 % faster
 //                                      on every H200 case, 2026-12-03)
+//   KMLA_DECODE_SM90_PAIR_ISSUE_WG1=0|1 CTA pairs only: the first warp of warpgroup 1 (idle
+//                                      during the wide S) issues the copies and waits for the
+//                                      peer, instead of warp 0 (default 1, not measured)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool tma = true;
   bool wide_s = true;
+  bool pair_issue_wg1 = true;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

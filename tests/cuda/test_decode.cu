@@ -1173,11 +1173,17 @@ class PairSwitch {
 // kernel exactly where it can (bf16, a block size that TMA copies, at least one cluster of
 // workers, two row tiles) when on, and never when off; elsewhere the cases run the other
 // kernels.
+// With pairs on, both warps that may issue the copies (DecodeSm90Options::pair_issue_wg1).
 void run_pair_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
-  for (const bool on : {true, false}) {
+  const DecodeSm90Options saved = decode_sm90_options();
+  for (const int variant : {0, 1, 2}) {
+    const bool on = variant < 2;
+    DecodeSm90Options opt = saved;
+    opt.pair_issue_wg1 = variant == 0;
+    decode_sm90_set_options(opt);
     const PairSwitch sw(on);
     CaseHooks hooks;
-    hooks.label = on ? "pairs on" : "pairs off";
+    hooks.label = variant == 0 ? "pairs on" : variant == 1 ? "pairs on, warp 0 issues" : "pairs off";
     hooks.check_plan = [&](const DecodeParams& p, const DecodePlan& plan) {
       EXPECT_EQ(plan.sm90_pair, on);
       if (!gpu_is_sm90() || !decode_sm90_supports(p, plan)) return;
@@ -1190,6 +1196,7 @@ void run_pair_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     };
     run_case(c, tweaks, hooks);
   }
+  decode_sm90_set_options(saved);
 }
 
 // The plan's balanced walk, a few pair workers (2 and 5 CTAs: one cluster, the odd CTA
