@@ -211,8 +211,9 @@ struct KernelFlags {
   // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
   // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
   int tma_keys;
-  // Pair kernel only: warp 0 issues the copies, not warp 4 (DecodeSm90Options).
-  bool pair_issue_wg0;
+  // Wide S only: the first warp of warpgroup 1 (warp 4), not warp 0, issues the copies
+  // (DecodeSm90Options::issue_wg1, pair_issue_wg1).
+  bool issue_wg1;
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -342,10 +343,10 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int tma_keys = flags.tma_keys;
   const bool tma = tma_keys > 0;
   const int lane_c = tid & 31;
-  // The warp that issues the copies: warp 0, or with pairs and the wide S (unless
-  // flags.pair_issue_wg0) warp 4, the first of warpgroup 1, which idles while warpgroup 0
-  // computes S and the softmax: its wait for the peer then does not hold up S.
-  const bool issuer = kPair && kWideS && !flags.pair_issue_wg0 ? (tid >> 5) == 4 : tid < 32;
+  // The warp that issues the copies: warp 0, or with the wide S and flags.issue_wg1 warp 4,
+  // the first of warpgroup 1, which idles while warpgroup 0 computes S and the softmax: the
+  // lookups and copies (and with pairs the wait for the peer) then do not hold up S.
+  const bool issuer = kWideS && flags.issue_wg1 ? (tid >> 5) == 4 : tid < 32;
   // Pair (kPair, a piece both CTAs of the cluster run): each copies half the tile to both.
   const bool pair = kPair && shared && tma;
   const uint32_t rank = kPair ? cluster_rank() : 0;
@@ -773,6 +774,7 @@ DecodeSm90Options& current_options() {
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
     o.pair_issue_wg1 = env_switch("KMLA_DECODE_SM90_PAIR_ISSUE_WG1", o.pair_issue_wg1);
+    o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     return o;
   }();
   return opt;
@@ -888,6 +890,8 @@ int decode_sm90_tma_keys(const DecodeParams& p) {
 DecodeSm90Options decode_sm90_options() { return current_options(); }
 void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o; }
 
+int decode_sm90_pair_clusters() { return pair_cluster_slots(); }
+
 bool decode_sm90_pair_runs(const DecodeParams& p, const DecodePlan& plan) {
   if (!plan.sm90_pair || !decode_sm90_supports(p, plan)) return false;
   const int row_tiles = int((int64_t(plan.max_query_len) * p.heads + kRows - 1) / kRows);
@@ -935,7 +939,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
       const DecodeSm90Options& o = current_options();
       KMLA_CUDA_CHECK(cudaLaunchKernelEx(
           &cfg, kernel, a,
-          KernelFlags{o.skip_rescale, profile_mode(), group, !o.pair_issue_wg1}, kmap));
+          KernelFlags{o.skip_rescale, profile_mode(), group, o.pair_issue_wg1}, kmap));
       return;
     }
   }
@@ -950,7 +954,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group, false}, kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -30,15 +30,19 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      shared-memory traffic for S) and the softmax, while
 //                                      warpgroup 1 waits (default 1: measured 1-4 % faster
 //                                      on every H200 case, 2026-12-03)
-//   KMLA_DECODE_SM90_PAIR_ISSUE_WG1=0|1 CTA pairs only: the first warp of warpgroup 1 (idle
-//                                      during the wide S) issues the copies and waits for the
-//                                      peer, instead of warp 0 (default 1, not measured)
+//   KMLA_DECODE_SM90_ISSUE_WG1=0|1     with the wide S: the first warp of warpgroup 1 (idle
+//                                      during S and the softmax) issues the TMA copies instead
+//                                      of warp 0, which then starts S at once (default 0)
+//   KMLA_DECODE_SM90_PAIR_ISSUE_WG1=0|1 the same for the CTA-pair kernel, where that warp
+//                                      also waits for the peer (default 1: measured 18 %
+//                                      faster than warp 0 on H200, 2026-12-03)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool tma = true;
   bool wide_s = true;
   bool pair_issue_wg1 = true;
+  bool issue_wg1 = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
@@ -54,6 +58,10 @@ int decode_sm90_tma_keys(const DecodeParams& p);
 // cluster of 2 CTAs taking the two row tiles of one request over the same keys, each copying
 // half of every key tile into both (TMA multicast): docs/decode_sm90.md, "CTA pairs".
 bool decode_sm90_pair_runs(const DecodeParams& p, const DecodePlan& plan);
+
+// Clusters of two pair CTAs the current GPU holds at once (cudaOccupancyMaxActiveClusters;
+// 0 if none): the balanced pair grid's size. For tests and diagnostics.
+int decode_sm90_pair_clusters();
 
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
 // (ceil(max_rows / 64), num_splits, num_requests), or (num_workers) balanced. Writes out /

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -1298,6 +1299,54 @@ TEST(CudaDecodePair, FallbacksAndBadBlock) {
   c.bad_block_request = 1;
   c.seed = 70;
   run_pair_case(c, {{0, 0}, {1, 0}, {4, 0}, {0, 0, false, 300, 0, 0, 0}});
+}
+
+// The pair grid: on an sm_90 GPU clusters of two 231 KB CTAs must fit, at most one CTA per SM.
+// How many fit sets the balanced pair grid (printed: fewer than SMs / 2 leaves SMs idle).
+TEST(CudaDecodePair, ClusterSlots) {
+  KMLA_REQUIRE_GPU();
+  if (!gpu_is_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  const int clusters = decode_sm90_pair_clusters();
+  std::printf("pair clusters: %d of 2 CTAs on %d SMs\n", clusters, sms);
+  EXPECT_GE(clusters, 1);
+  EXPECT_LE(2 * clusters, sms);
+}
+
+// The wgmma kernel without pairs with the copies issued by warpgroup 1's first warp
+// (DecodeSm90Options::issue_wg1; the wide S): 128 heads with mixed lengths, the speculative
+// 12 x 4 causal rows with block size 16 (4 key groups per tile), and a bad block id.
+TEST(CudaDecode, Sm90CopiesIssuedByWarpgroup1) {
+  KMLA_REQUIRE_GPU();
+  const DecodeSm90Options saved = decode_sm90_options();
+  DecodeSm90Options opt = saved;
+  opt.issue_wg1 = true;
+  opt.wide_s = true;
+  decode_sm90_set_options(opt);
+  const PairSwitch sw(false);
+  DecodeCase c;
+  c.heads = 128;
+  c.block_size = 64;
+  c.seq_lens = {1, 63, 900, 64, 65, 1000, 4100};
+  c.query_lens = {1, 1, 0, 1, 1, 1, 1};
+  c.seed = 81;
+  run_case(c, {{0, 0}, {1, 0}, {3, 0}, {0, 0, false, 300, 0, 0, 0}});
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {1, 3, 4, 5, 63, 64, 65, 66, 0, 129, 4100};
+  c.query_lens = {4, 4, 4, 4, 4, 4, 4, 3, 0, 2, 4};
+  c.seed = 82;
+  run_case(c, {{0, 0}, {1, 0}, {40, 0}});
+  c.heads = 64;
+  c.block_size = 64;
+  c.seq_lens = {300, 1000};
+  c.query_lens = {1, 1};
+  c.bad_block_request = 1;
+  c.seed = 83;
+  run_case(c, {{0, 0}, {1, 0}, {4, 0}});
+  decode_sm90_set_options(saved);
 }
 
 // A CUDA graph of a pair launch replays with other lengths of the same shape: captured with
