@@ -214,6 +214,7 @@ struct KernelFlags {
   // Wide S only: the first warp of warpgroup 1 (warp 4), not warp 0, issues the copies
   // (DecodeSm90Options::issue_wg1, pair_issue_wg1).
   bool issue_wg1;
+  bool early_issue;  // DecodeSm90Options::early_issue
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -347,6 +348,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   // the first of warpgroup 1, which idles while warpgroup 0 computes S and the softmax: the
   // lookups and copies (and with pairs the wait for the peer) then do not hold up S.
   const bool issuer = kWideS && flags.issue_wg1 ? (tid >> 5) == 4 : tid < 32;
+  // flags.early_issue (TMA only): the copies of tile + 1 go out right after the tile barrier,
+  // before the wait for tile t (whose stage is not involved), instead of after it.
+  const bool early = tma && flags.early_issue;
   // Pair (kPair, a piece both CTAs of the cluster run): each copies half the tile to both.
   const bool pair = kPair && shared && tma;
   const uint32_t rank = kPair ? cluster_rank() : 0;
@@ -444,7 +448,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     const uint32_t kt = base + kKOff + stage * kTileBytes;
     cp_async_wait_all();  // my copies of this tile (and of Q) have landed
     fence_proxy_async();  // ... and are visible to the wgmma reads that follow
-    if (tma && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    if (tma && !early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
     __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
     if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
       const int b = next_block;
@@ -461,6 +465,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       issue_any(tile + 1, b);
     }
     cp_async_commit();
+    // Early issue: tile + 1 is on its way before tile t has landed, two tiles in flight.
+    if (early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
     if (tma && fix_s[stage]) {
       // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
       for (int i = tid; i < kKeys * 64; i += kThreads) {
@@ -775,6 +781,7 @@ DecodeSm90Options& current_options() {
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
     o.pair_issue_wg1 = env_switch("KMLA_DECODE_SM90_PAIR_ISSUE_WG1", o.pair_issue_wg1);
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
+    o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     return o;
   }();
   return opt;
@@ -939,7 +946,8 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
       const DecodeSm90Options& o = current_options();
       KMLA_CUDA_CHECK(cudaLaunchKernelEx(
           &cfg, kernel, a,
-          KernelFlags{o.skip_rescale, profile_mode(), group, o.pair_issue_wg1}, kmap));
+          KernelFlags{o.skip_rescale, profile_mode(), group, o.pair_issue_wg1, o.early_issue},
+          kmap));
       return;
     }
   }
@@ -954,7 +962,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1}, kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

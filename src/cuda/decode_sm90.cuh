@@ -36,6 +36,9 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_PAIR_ISSUE_WG1=0|1 the same for the CTA-pair kernel, where that warp
 //                                      also waits for the peer (default 1: measured 18 %
 //                                      faster than warp 0 on H200, 2026-12-03)
+//   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA: issue the copies of tile t + 1 right after
+//                                      the tile barrier, before waiting for tile t to land
+//                                      (two tiles in flight instead of one; default 0)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -43,6 +46,7 @@ struct DecodeSm90Options {
   bool wide_s = true;
   bool pair_issue_wg1 = true;
   bool issue_wg1 = false;
+  bool early_issue = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

@@ -1174,17 +1174,21 @@ class PairSwitch {
 // kernel exactly where it can (bf16, a block size that TMA copies, at least one cluster of
 // workers, two row tiles) when on, and never when off; elsewhere the cases run the other
 // kernels.
-// With pairs on, both warps that may issue the copies (DecodeSm90Options::pair_issue_wg1).
+// With pairs on, both warps that may issue the copies (DecodeSm90Options::pair_issue_wg1),
+// and the early issue.
 void run_pair_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   const DecodeSm90Options saved = decode_sm90_options();
-  for (const int variant : {0, 1, 2}) {
-    const bool on = variant < 2;
+  for (const int variant : {0, 1, 2, 3}) {
+    const bool on = variant < 3;
     DecodeSm90Options opt = saved;
-    opt.pair_issue_wg1 = variant == 0;
+    opt.pair_issue_wg1 = variant != 1;
+    opt.early_issue = variant == 2;
     decode_sm90_set_options(opt);
     const PairSwitch sw(on);
     CaseHooks hooks;
-    hooks.label = variant == 0 ? "pairs on" : variant == 1 ? "pairs on, warp 0 issues" : "pairs off";
+    const char* labels[] = {"pairs on", "pairs on, warp 0 issues", "pairs on, early issue",
+                            "pairs off"};
+    hooks.label = labels[variant];
     hooks.check_plan = [&](const DecodeParams& p, const DecodePlan& plan) {
       EXPECT_EQ(plan.sm90_pair, on);
       if (!gpu_is_sm90() || !decode_sm90_supports(p, plan)) return;
@@ -1316,15 +1320,26 @@ TEST(CudaDecodePair, ClusterSlots) {
 }
 
 // The wgmma kernel without pairs with the copies issued by warpgroup 1's first warp
-// (DecodeSm90Options::issue_wg1; the wide S): 128 heads with mixed lengths, the speculative
-// 12 x 4 causal rows with block size 16 (4 key groups per tile), and a bad block id.
-TEST(CudaDecode, Sm90CopiesIssuedByWarpgroup1) {
-  KMLA_REQUIRE_GPU();
+// (DecodeSm90Options::issue_wg1; the wide S), issued early (early_issue: two tiles in
+// flight), and both: 128 heads with mixed lengths, the speculative 12 x 4 causal rows with
+// block size 16 (4 key groups per tile), and a bad block id.
+void run_copy_issue_variants(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   const DecodeSm90Options saved = decode_sm90_options();
-  DecodeSm90Options opt = saved;
-  opt.issue_wg1 = true;
-  opt.wide_s = true;
-  decode_sm90_set_options(opt);
+  for (const int variant : {1, 2, 3}) {
+    DecodeSm90Options opt = saved;
+    opt.issue_wg1 = variant & 1;
+    opt.early_issue = variant & 2;
+    opt.wide_s = true;
+    decode_sm90_set_options(opt);
+    CaseHooks hooks;
+    hooks.label = variant == 1 ? "warp 4 issues" : variant == 2 ? "early issue" : "warp 4, early";
+    run_case(c, tweaks, hooks);
+  }
+  decode_sm90_set_options(saved);
+}
+
+TEST(CudaDecode, Sm90CopyIssueVariants) {
+  KMLA_REQUIRE_GPU();
   const PairSwitch sw(false);
   DecodeCase c;
   c.heads = 128;
@@ -1332,21 +1347,20 @@ TEST(CudaDecode, Sm90CopiesIssuedByWarpgroup1) {
   c.seq_lens = {1, 63, 900, 64, 65, 1000, 4100};
   c.query_lens = {1, 1, 0, 1, 1, 1, 1};
   c.seed = 81;
-  run_case(c, {{0, 0}, {1, 0}, {3, 0}, {0, 0, false, 300, 0, 0, 0}});
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {3, 0}, {0, 0, false, 300, 0, 0, 0}});
   c.heads = 12;
   c.block_size = 16;
   c.seq_lens = {1, 3, 4, 5, 63, 64, 65, 66, 0, 129, 4100};
   c.query_lens = {4, 4, 4, 4, 4, 4, 4, 3, 0, 2, 4};
   c.seed = 82;
-  run_case(c, {{0, 0}, {1, 0}, {40, 0}});
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {40, 0}});
   c.heads = 64;
   c.block_size = 64;
   c.seq_lens = {300, 1000};
   c.query_lens = {1, 1};
   c.bad_block_request = 1;
   c.seed = 83;
-  run_case(c, {{0, 0}, {1, 0}, {4, 0}});
-  decode_sm90_set_options(saved);
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {4, 0}});
 }
 
 // A CUDA graph of a pair launch replays with other lengths of the same shape: captured with
