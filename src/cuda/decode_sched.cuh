@@ -272,18 +272,20 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
 // With DecodePlan::sm90_pair and two 64-row tiles per request (65..128 rows), the wgmma
 // kernel runs as clusters of 2 CTAs that walk the same pieces: CTA rank k takes row tile k
 // of the piece's request over the same key range, and each copies half of every key tile
-// into both (TMA multicast), so each SM pulls half the bytes from L2. A request whose rows
-// fit one tile (a 64-head request with one token among two-token ones) runs on rank 0
-// alone, without multicast; rank 1 skips it. The unit of work is therefore the request,
-// not the (request, row tile) pair: it costs the key tiles its last row sees (both ranks
-// take that range; rank 0's rows see at most as many keys and mask the rest) plus one
-// start-up charge, and a pair worker (cluster c of CTAs 2c and 2c + 1) takes an equal share
-// of the total as in the balanced schedule.
+// into both (TMA multicast), so each SM pulls half the bytes from L2. The unit of work is
+// therefore the request, not the (request, row tile) pair: it costs the key tiles its last
+// row sees (both ranks take that range; rank 0's rows see at most as many keys and mask the
+// rest) plus one start-up charge, twice (two SMs) for a request with two row tiles, once for
+// a request whose rows fit one tile (a one-token request among two-token ones), which runs
+// on one rank alone without multicast. A pair worker (cluster c of CTAs 2c and 2c + 1) takes
+// an equal share of the total as in the balanced schedule. One-tile requests that a cluster
+// runs whole go to the rank with less one-tile work so far in the share (both ranks keep
+// the same count), so neither rank idles through them; cut ones go to rank 0.
 //
-// Partial slots. Rank k's pieces of a cut request use the balanced layout with the
-// "virtual worker" v = k W + c (W clusters at work): a cluster still cuts at most the
-// request at each end of its share, so v needs the same two slots 2v, 2v + 1, and the
-// combine reads (first v, pieces) from the pair table of row tile k as before. v < 2 W <=
+// Partial slots. A rank's pieces of a cut request use the balanced layout with the
+// "virtual worker" v = k W + c (rank k, W clusters at work): a cluster still cuts at most
+// the request at each end of its share, so v needs the same two slots 2v, 2v + 1, and the
+// combine reads (first v, pieces) from the pair table of the row tile as before. v < 2 W <=
 // the grid's CTAs <= plan.num_workers, so the plan's workspace covers it.
 
 // Rows and key tiles of request r as a pair unit: -1 when it has no rows; *kmax = the keys
@@ -297,22 +299,25 @@ __host__ __device__ inline int request_pair_tiles(const DecodeArgs& a, int key_t
   return (*kmax + key_tile - 1) / key_tile;
 }
 
-// Cost of request r under the pair walk: its key tiles plus one start-up charge.
-__host__ __device__ inline int64_t request_pair_units(const DecodeArgs& a, int key_tile,
+// Cost of request r under the pair walk, in SM time: its key tiles plus one start-up
+// charge, on two SMs if it has two row tiles.
+__host__ __device__ inline int64_t request_pair_units(const DecodeArgs& a, int key_tile, int rows,
                                                       const SchedUnits& u, int r) {
   int nrows = 0, kmax = 0;
   const int tiles = request_pair_tiles(a, key_tile, r, &nrows, &kmax);
-  return tiles < 0 ? 0 : tiles + u.pair;
+  return tiles < 0 ? 0 : int64_t(tiles + u.pair) * (nrows > rows ? 2 : 1);
 }
 
 // The pair walk's next piece for rank `rank` (0, 1) of cluster st.worker: like next_piece,
-// over requests; requests without a row tile `rank` are skipped (rank 1 of a one-tile
-// request). *shared: both ranks run this piece (the request has rows in both tiles), so
-// they copy its keys together. The pair table entry of row tile `rank` is written by that
-// rank (when write_table).
+// over requests, skipping the one-tile requests the other rank runs. *shared: both ranks run
+// this piece (the request has rows in both tiles), so they copy its keys together.
+// `balance` (rank 0's one-tile units minus rank 1's in this share so far, 0 at the start)
+// picks the rank of a whole one-tile request; both ranks update it the same way. The pair
+// table entry of the piece's row tile is written by the rank that runs it (write_table).
 template <int ROWS, int KEY_TILE>
 __host__ __device__ inline bool next_pair_piece(const DecodeArgs& a, WalkState& st, int rank,
-                                                bool write_table, DecodeWork& w, bool* shared) {
+                                                bool write_table, DecodeWork& w, bool* shared,
+                                                int64_t& balance) {
   const SchedUnits& u = st.u;
   const int64_t short_units = (st.total / st.workers) / 8;  // as next_piece
   while (st.r < a.num_requests && st.off < st.hi) {
@@ -320,28 +325,39 @@ __host__ __device__ inline bool next_pair_piece(const DecodeArgs& a, WalkState& 
     int nrows = 0, kmax = 0;
     const int tiles = request_pair_tiles(a, KEY_TILE, r, &nrows, &kmax);
     if (tiles < 0) continue;  // no rows, no units
-    const int64_t off = st.off, units = tiles + u.pair, end = off + units;
+    const bool both = nrows > ROWS;
+    const int64_t off = st.off, units = int64_t(tiles + u.pair) * (both ? 2 : 1),
+                  end = off + units;
     st.off = end;
-    if (rank * ROWS >= nrows) continue;  // rank 1 of a one-tile request
     w.r = r;
     w.qlen = a.query_lens[r];
     w.seq = a.seq_lens[r];
     w.nrows = nrows;
-    w.row0 = rank * ROWS;
-    *shared = nrows > ROWS;
-    const int64_t pair = int64_t(r) * a.row_tiles + rank;
+    w.row0 = both ? rank * ROWS : 0;
+    *shared = both;
+    const int64_t pair = int64_t(r) * a.row_tiles + w.row0 / ROWS;
     if (tiles <= u.nosplit || units <= short_units) {
       const int64_t mid = off + units / 2;
       if (st.lo <= mid && mid < st.hi) {
+        int runner = rank;
+        if (!both) {  // the rank with less one-tile work so far
+          runner = balance > 0 ? 1 : 0;
+          balance += runner == 0 ? units : -units;
+          if (runner != rank) continue;
+        }
         w.key0 = 0;
         w.key1 = kmax;
         w.direct = true;
         w.part = 0;
         w.part_stride = 0;
-        if (write_table) a.pair_table[pair] = make_int2(rank * st.workers + st.worker, 1);
+        if (write_table) a.pair_table[pair] = make_int2(runner * st.workers + st.worker, 1);
         return true;
       }
     } else if (end > st.lo) {
+      if (!both) {  // a cut one-tile request: rank 0 (its pieces' slots must line up)
+        balance += (st.hi < end ? st.hi : end) - (st.lo > off ? st.lo : off);
+        if (rank != 0) continue;
+      }
       const int c0 = worker_of(off, st.total, st.workers);
       const int n = worker_of(end - 1, st.total, st.workers) - c0 + 1, s = st.worker - c0;
       const int64_t u0 = (st.lo > off ? st.lo : off) - off, u1 = (st.hi < end ? st.hi : end) - off;
@@ -397,7 +413,7 @@ __device__ __forceinline__ bool pair_prologue(const DecodeArgs& a, int64_t* walk
   const int per = (a.num_requests + nthreads - 1) / nthreads;
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
   int64_t mine = 0;
-  for (int r = rb; r < re; ++r) mine += request_pair_units(a, KEY_TILE, u, r);
+  for (int r = rb; r < re; ++r) mine += request_pair_units(a, KEY_TILE, ROWS, u, r);
   int64_t incl = mine;
   const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
@@ -421,7 +437,7 @@ __device__ __forceinline__ bool pair_prologue(const DecodeArgs& a, int64_t* walk
   if (mine > 0 && before <= lo && lo < before + mine) {
     int64_t off = before;
     for (int r = rb; r < re; ++r) {
-      const int64_t units = request_pair_units(a, KEY_TILE, u, r);
+      const int64_t units = request_pair_units(a, KEY_TILE, ROWS, u, r);
       if (lo < off + units) {
         start_s[0] = r;
         start_s[1] = off;
@@ -453,8 +469,10 @@ __device__ __forceinline__ void for_each_pair_work(const DecodeArgs& a, Run&& ru
   __shared__ int64_t walk_s[sizeof(WalkState) / sizeof(int64_t)];
   __shared__ int64_t work_s[sizeof(DecodeWork) / sizeof(int64_t)];
   __shared__ int shared_s;
+  __shared__ int64_t balance_s;  // next_pair_piece's one-tile balance
   const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
   const int tid = int(threadIdx.x), rank = int(blockIdx.x) & 1;
+  if (tid == 0) balance_s = 0;  // (read after the prologue's barriers)
   if (a.balanced && !pair_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
   for (;;) {
     DecodeWork w;
@@ -465,9 +483,13 @@ __device__ __forceinline__ void for_each_pair_work(const DecodeArgs& a, Run&& ru
     } else {
       WalkState st;
       memcpy(&st, walk_s, sizeof(st));
-      more = next_pair_piece<ROWS, KEY_TILE>(a, st, rank, tid == 0, w, &shared);
+      int64_t balance = balance_s;
+      more = next_pair_piece<ROWS, KEY_TILE>(a, st, rank, tid == 0, w, &shared, balance);
       if (more) __syncthreads();  // everyone has read the state (uniform)
-      if (more && tid == 0) memcpy(walk_s, &st, sizeof(st));
+      if (more && tid == 0) {
+        memcpy(walk_s, &st, sizeof(st));
+        balance_s = balance;
+      }
     }
     if (!more) return;
     if (tid == 0) {

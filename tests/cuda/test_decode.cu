@@ -981,7 +981,7 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
 // cluster walk the same shared pieces (same request and keys) in the same order; and the
 // per-request pair grid covers every split's range the same way.
 struct PairPiece {
-  int cluster, rank, r, key0, key1;
+  int cluster, rank, r, key0, key1;  // cluster: the virtual worker rank * W + cluster
   bool direct, shared;
   int64_t part;
 };
@@ -1008,7 +1008,7 @@ void check_pair_schedule(const HostSchedCase& c) {
   a.pair_table = table.data();
   const SchedUnits u = sched_units(a, KT);
   std::vector<int64_t> off(R + 1, 0);
-  for (int r = 0; r < R; ++r) off[r + 1] = off[r] + request_pair_units(a, KT, u, r);
+  for (int r = 0; r < R; ++r) off[r + 1] = off[r] + request_pair_units(a, KT, ROWS, u, r);
   const int64_t total = off[R];
   if (total == 0) return;
   const int grid = c.grid / 2 * 2;  // the launch's clusters of two
@@ -1017,6 +1017,7 @@ void check_pair_schedule(const HostSchedCase& c) {
 
   std::vector<std::vector<PairPiece>> pieces(table.size());
   std::vector<int> slot_uses(size_t(2) * c.grid, 0);
+  int solo_whole[2] = {0, 0};  // whole one-tile requests run by rank 0 / 1
   for (int w = 0; w < workers; ++w) {
     std::vector<PairPiece> walked[2];
     for (int rank = 0; rank < 2; ++rank) {
@@ -1025,10 +1026,14 @@ void check_pair_schedule(const HostSchedCase& c) {
       WalkState st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
       DecodeWork p;
       bool shared = false;
-      while (next_pair_piece<ROWS, KT>(a, st, rank, true, p, &shared)) {
-        ASSERT_EQ(p.row0, rank * ROWS);
-        walked[rank].push_back({w, rank, p.r, p.key0, p.key1, p.direct, shared, p.part});
-        pieces[size_t(p.r) * 2 + rank].push_back(walked[rank].back());
+      int64_t balance = 0;
+      while (next_pair_piece<ROWS, KT>(a, st, rank, true, p, &shared, balance)) {
+        ASSERT_EQ(p.row0, shared ? rank * ROWS : 0);
+        // The virtual worker the piece's slots belong to (see decode_sched.cuh).
+        walked[rank].push_back({rank * workers + w, rank, p.r, p.key0, p.key1, p.direct, shared,
+                                p.part});
+        pieces[size_t(p.r) * 2 + p.row0 / ROWS].push_back(walked[rank].back());
+        if (!shared && p.direct) ++solo_whole[rank];
         if (!p.direct) {
           ASSERT_EQ(p.part % ROWS, 0);
           ASSERT_LT(p.part / ROWS, int64_t(2) * c.grid) << "slot outside the workspace";
@@ -1036,21 +1041,23 @@ void check_pair_schedule(const HostSchedCase& c) {
         }
       }
     }
-    // Rank 1 only has the shared pieces; rank 0 the same ones in the same order (and the
-    // one-tile requests in between).
-    std::vector<PairPiece> shared0;
-    for (const PairPiece& q : walked[0])
-      if (q.shared) shared0.push_back(q);
-    ASSERT_EQ(shared0.size(), walked[1].size()) << "cluster " << w;
-    for (size_t i = 0; i < shared0.size(); ++i) {
-      EXPECT_TRUE(walked[1][i].shared);
-      EXPECT_EQ(shared0[i].r, walked[1][i].r);
-      EXPECT_EQ(shared0[i].key0, walked[1][i].key0);
-      EXPECT_EQ(shared0[i].key1, walked[1][i].key1);
-      EXPECT_EQ(shared0[i].direct, walked[1][i].direct);
+    // Both ranks run the same shared pieces in the same order (and one-tile requests of
+    // their own in between).
+    std::vector<PairPiece> sh[2];
+    for (int rank = 0; rank < 2; ++rank)
+      for (const PairPiece& q : walked[rank])
+        if (q.shared) sh[rank].push_back(q);
+    ASSERT_EQ(sh[0].size(), sh[1].size()) << "cluster " << w;
+    for (size_t i = 0; i < sh[0].size(); ++i) {
+      EXPECT_EQ(sh[0][i].r, sh[1][i].r);
+      EXPECT_EQ(sh[0][i].key0, sh[1][i].key0);
+      EXPECT_EQ(sh[0][i].key1, sh[1][i].key1);
+      EXPECT_EQ(sh[0][i].direct, sh[1][i].direct);
     }
   }
   for (int uses : slot_uses) EXPECT_LE(uses, 1) << "a partial slot used twice";
+  // Whole one-tile requests are shared out between the ranks, not left to rank 0.
+  if (solo_whole[0] + solo_whole[1] >= 4 * workers) EXPECT_GT(solo_whole[1], 0);
 
   for (int r = 0; r < R; ++r) {
     const int nrows = std::min(c.qlen[r] * c.heads, a.max_rows);
@@ -1078,7 +1085,7 @@ void check_pair_schedule(const HostSchedCase& c) {
         }
         EXPECT_EQ(ps[s].direct, ps.size() == 1);
         if (ps.size() > 1) {
-          EXPECT_EQ(ps[s].cluster + t * workers, info.x + int(s));
+          EXPECT_EQ(ps[s].cluster, info.x + int(s));
           for (int row = 0; row < ROWS; ++row)
             EXPECT_EQ(ps[s].part + row, balanced_partial(info.x, info.y, int(s), ROWS, row));
         }
