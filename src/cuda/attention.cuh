@@ -58,10 +58,6 @@ struct DecodePlan {
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
   // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
   bool programmatic_combine = false;
-  // Run the wgmma kernel as CTA pairs (clusters of 2 sharing each key tile by TMA multicast)
-  // where it can (decode_sm90_pair_runs). Off unless KMLA_DECODE_PAIR=1: measured 7-9 % slower
-  // on H200 (docs/decode_sm90.md, "CTA pairs").
-  bool sm90_pair = false;
   int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile

@@ -1696,7 +1696,6 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // kernel. Measured on H200: mixed lengths 327 us without against 358 with, (1, 12, 64K)
   // 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
   plan.programmatic_combine = major >= 9 && env_int("KMLA_DECODE_PDL", 0) != 0;
-  plan.sm90_pair = env_int("KMLA_DECODE_PAIR", 0) != 0;
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }
@@ -1816,7 +1815,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   const bool sm90 = decode_sm90_supports(p, plan);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
-      launch_decode_sm90(a, p.act, grid, plan.sm90_pair, stream);
+      launch_decode_sm90(a, p.act, grid, stream);
     } else if (deep) {
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);

@@ -13,7 +13,6 @@
 //
 // Only the sm_90a compile of this file holds the kernel; the sm_80 compile of the same source
 // gets a body that traps (the host never launches it anywhere but on sm_90 with sm_90a code).
-#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -148,57 +147,6 @@ __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint3
   wgmma_commit();
 }
 
-// ---- CTA pairs: cluster helpers (KMLA_DECODE_PAIR, see "CTA pairs" above the kernel) ----
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of both CTAs: what either wrote before is visible to both after.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Arrives on the mbarrier at the same offset as `bar` in the shared memory of CTA `peer`.
-__device__ __forceinline__ void mbar_arrive_peer(uint64_t* bar, uint32_t peer) {
-  asm volatile(
-      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
-      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(peer)
-      : "memory");
-}
-// mbar_wait for a barrier that a peer CTA arrives on (acquire at cluster scope).
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      " .reg .pred ready, stuck;\n"
-      " .reg .u32 n;\n"
-      " mov.u32 n, 0;\n"
-      "poll_%=:\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%0], %1;\n"
-      " @ready bra done_%=;\n"
-      " add.u32 n, n, 1;\n"
-      " setp.gt.u32 stuck, n, 67108864;\n"
-      " @stuck trap;\n"
-      " bra poll_%=;\n"
-      "done_%=:\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// tma_load_3d into the same shared-memory offset `dst` of both CTAs of the pair, each
-// copy signalling the mbarrier at `bar`'s offset in its own CTA.
-__device__ __forceinline__ void tma_load_3d_pair(uint32_t dst, const void* map, int c0, int c1,
-                                                 int c2, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)),
-      "h"(uint16_t(3))
-      : "memory");
-}
-
 #endif  // KMLA_SM90A
 
 // Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
@@ -211,10 +159,8 @@ struct KernelFlags {
   // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
   // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
   int tma_keys;
-  // Wide S only: the first warp of warpgroup 1 (warp 4), not warp 0, issues the copies
-  // (DecodeSm90Options::issue_wg1, pair_issue_wg1).
-  bool issue_wg1;
-  bool early_issue;  // DecodeSm90Options::early_issue
+  bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
+  bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -244,7 +190,10 @@ struct KernelFlags {
 // once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
 // flagged in key_ok, which masks it.
 //
-// TMA copies (flags.tma_keys = G > 0): warp 0 issues each tile: lane j < 64 / G looks up the
+// TMA copies (flags.tma_keys = G > 0): one warp issues each tile (warp 4 with the wide S and
+// the default issue_wg1, else warp 0; and with the default early_issue right after the tile
+// barrier, before the wait for the current tile, which then moves behind it): lane j < 64 / G
+// looks up the
 // block of keys [G j, G j + G) (one block, since G divides the block size and every tile
 // starts at a multiple of 64), and if that block id is good, 9 tensor copies of G rows x 64
 // columns, one per panel; lane 0 first announces the tile's bytes on the stage's mbarrier,
@@ -263,23 +212,11 @@ struct KernelFlags {
 // The kernel runs one piece of work (decode_sched.cuh) per call; under the balanced schedule a
 // CTA runs several in turn, so the TMA mbarriers are invalidated at the end of each piece and
 // initialised afresh (phase 0) by the next.
-//
-// CTA pairs (kPair, DecodePlan::sm90_pair; docs/decode_sm90.md, "CTA pairs"): the kernel runs
-// as clusters of 2, rank k taking row tile k of a request over the same keys as its peer. On
-// such a "shared" piece warp 0 of each rank issues the copies (group j, panel p) with
-// (j + p + tile) % 2 == rank, multicast into both CTAs; each full barrier still expects the
-// whole tile. A stage is refilled only when both CTAs are done with it: after the tile
-// barrier thread 0 arrives on the peer's empty barrier of the stage to refill, and warp 0
-// waits on its own (the peer's arrive) before issuing. Cluster barriers after the barrier
-// init and after the last tile keep either CTA from touching the other's shared memory
-// outside the piece. Static shared memory: 16 B more (the empty barriers).
-template <class T, bool kWideS, bool kPair = false>
+template <class T, bool kWideS>
 __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
-                                           const KernelFlags& flags, const CUtensorMap& kmap,
-                                           bool shared = false) {
+                                           const KernelFlags& flags, const CUtensorMap& kmap) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
-  __shared__ __align__(8) uint64_t empty_bar[2];  // pair: the peer is done with stage 0 / 1
   __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_u32 = smem_u32(smem_raw);
@@ -340,27 +277,26 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
-  // TMA: lane j of warp 0 takes keys [G j, G j + G) of every tile (see above the kernel).
+  // TMA: lane j of the issuing warp takes keys [G j, G j + G) of every tile (see above the
+  // kernel).
   const int tma_keys = flags.tma_keys;
   const bool tma = tma_keys > 0;
   const int lane_c = tid & 31;
-  // The warp that issues the copies: warp 0, or with the wide S and flags.issue_wg1 warp 4,
-  // the first of warpgroup 1, which idles while warpgroup 0 computes S and the softmax: the
-  // lookups and copies (and with pairs the wait for the peer) then do not hold up S.
+  // The warp that issues the copies: with the wide S (and flags.issue_wg1) warp 4, the first
+  // of warpgroup 1, which idles while warpgroup 0 computes S and the softmax, so the table
+  // lookups, ballots and copies stay off warpgroup 0's path to S; else warp 0.
   const bool issuer = kWideS && flags.issue_wg1 ? (tid >> 5) == 4 : tid < 32;
-  // flags.early_issue (TMA only): the copies of tile + 1 go out right after the tile barrier,
-  // before the wait for tile t (whose stage is not involved), instead of after it.
+  // flags.early_issue: the copies of tile t + 1 go out right after the tile barrier (their
+  // stage, that of t - 1, is free there) and only then does everyone wait for tile t, so two
+  // tiles are in flight; else the wait for tile t comes before the barrier.
   const bool early = tma && flags.early_issue;
-  // Pair (kPair, a piece both CTAs of the cluster run): each copies half the tile to both.
-  const bool pair = kPair && shared && tma;
-  const uint32_t rank = kPair ? cluster_rank() : 0;
   auto fetch_group = [&](int tile) -> int {
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
     return issuer && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
                ? table[pos / a.block_size]
                : -1;
   };
-  auto issue_tma = [&](int tile, int block) {  // warp 0 only
+  auto issue_tma = [&](int tile, int block) {  // the issuing warp only
     const int stage = tile & 1;
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
     const bool any = tma_keys * lane_c < kKeys && pos < key1;
@@ -385,18 +321,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     if (good) {
       const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
 #pragma unroll 1
-      for (int pn = 0; pn < kPanels; ++pn) {
-        if (kPair && pair) {
-          // Copy (group, panel) belongs to rank (group + panel + tile) % 2: half of the 9
-          // (or 9 x 64 / G) copies each, alternating the odd one from tile to tile.
-          if (((lane_c + pn + tile) & 1) == int(rank))
-            tma_load_3d_pair(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size,
-                             block, &full_bar[stage]);
-        } else {
-          tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size, block,
-                      &full_bar[stage]);
-        }
-      }
+      for (int pn = 0; pn < kPanels; ++pn)
+        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size, block,
+                    &full_bar[stage]);
     }
   };
   auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
@@ -413,16 +340,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     if (tid == 0) {
       mbar_init(&full_bar[0], 1);
       mbar_init(&full_bar[1], 1);
-      if (pair) {
-        mbar_init(&empty_bar[0], 1);
-        mbar_init(&empty_bar[1], 1);
-      }
       fence_mbarrier_init();
     }
     __syncthreads();
-    // Pair: both CTAs' barriers are initialised (and both are done with their previous
-    // piece's stages) before either copies into the other or arrives on its barriers.
-    if (pair) cluster_sync();
   }
   int next_block = fetch(0);
   if (ntiles > 0) {
@@ -453,19 +373,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
       const int b = next_block;
       next_block = fetch(tile + 2);
-      if (pair && tile >= 1) {
-        // Tile - 1 is consumed here (the barrier above): tell the peer, whose copies of
-        // tile + 1 land in this stage too; then wait until the peer has consumed it as well
-        // (its arrive completes phase u - 1 of my empty barrier, u = (tile + 1) / 2 the
-        // stage's use count).
-        const int next_stage = (tile + 1) & 1;
-        if (tid == 0) mbar_arrive_peer(&empty_bar[next_stage], rank ^ 1u);
-        if (issuer) mbar_wait_cluster(&empty_bar[next_stage], uint32_t(((tile + 1) >> 1) - 1) & 1u);
-      }
       issue_any(tile + 1, b);
     }
     cp_async_commit();
-    // Early issue: tile + 1 is on its way before tile t has landed, two tiles in flight.
     if (early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
     if (tma && fix_s[stage]) {
       // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
@@ -610,17 +520,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     red_sum[wg * kRows + row_hi] = l_hi;
   }
   __syncthreads();  // (also: every wait on full_bar of this piece is behind all threads)
-  // Pair: every copy into either CTA and every arrive on either's barriers has been waited
-  // for by its target; after this neither CTA touches the other's shared memory again in
-  // this piece, so the barriers may go and a CTA may leave.
-  if (pair) cluster_sync();
   if (tma && tid == 0) {
     mbar_inval(&full_bar[0]);
     mbar_inval(&full_bar[1]);
-    if (pair) {
-      mbar_inval(&empty_bar[0]);
-      mbar_inval(&empty_bar[1]);
-    }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -654,25 +556,19 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     }
   }
 #else
-  (void)a, (void)work, (void)flags, (void)kmap, (void)shared;
+  (void)a, (void)work, (void)flags, (void)kmap;
   __trap();  // never launched without sm_90a code (decode_sm90_supports checks the binary)
 #endif
 }
 
 // One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
 // the other.
-template <class T, bool kWideS, bool kPair = false>
+template <class T, bool kWideS>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
-  if constexpr (kPair) {
-    for_each_pair_work<kRows, kKeys>(a, [&](const DecodeWork& w, bool shared) {
-      sm90_piece<T, kWideS, true>(a, w, flags, kmap, shared);
-    });
-  } else {
-    for_each_decode_work<kRows, kKeys>(
-        a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
-  }
+  for_each_decode_work<kRows, kKeys>(
+      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------
@@ -779,7 +675,6 @@ DecodeSm90Options& current_options() {
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
-    o.pair_issue_wg1 = env_switch("KMLA_DECODE_SM90_PAIR_ISSUE_WG1", o.pair_issue_wg1);
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     return o;
@@ -837,51 +732,6 @@ int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map) {
   return group > 0 && cache_tensor_map(a, act, group, map) ? group : 0;
 }
 
-// Clusters of two pair CTAs (231,552 B of shared memory each) the current device can hold at
-// once; clusters must sit in one GPC, so a GPC with an odd number of free SMs loses one. Asked
-// once per device (a host-side occupancy query, no sync); 0 if none fits.
-int pair_cluster_slots() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> answer[kMaxDevices] = {};  // clusters + 1; 0: not asked yet
-  int device = 0;
-  KMLA_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int known = answer[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    auto* kernel = decode_sm90_kernel<bf16, true, true>;
-    KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemAlloc;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it: no pairs on this device
-      clusters = 0;
-    }
-    known = clusters + 1;
-    answer[device].store(known, std::memory_order_relaxed);
-  }
-  return known - 1;
-}
-
-// Whether a launch that the plan asks to run as CTA pairs can: bf16 (the only pair
-// instantiation, to keep the compile lean), the wide S (the default), TMA copies (multicast
-// needs them), exactly two row tiles per request, at least one cluster of workers, and a GPU
-// that holds a cluster of two such CTAs.
-bool pair_fits(bool want, DType act, int row_tiles, bool balanced, int workers, int tma_group) {
-  return want && act == DType::bf16 && current_options().wide_s && tma_group > 0 &&
-         row_tiles == 2 && (!balanced || workers >= 2) && pair_cluster_slots() > 0;
-}
-
 }  // namespace
 
 int decode_sm90_tma_keys(const DecodeParams& p) {
@@ -897,15 +747,6 @@ int decode_sm90_tma_keys(const DecodeParams& p) {
 DecodeSm90Options decode_sm90_options() { return current_options(); }
 void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o; }
 
-int decode_sm90_pair_clusters() { return pair_cluster_slots(); }
-
-bool decode_sm90_pair_runs(const DecodeParams& p, const DecodePlan& plan) {
-  if (!plan.sm90_pair || !decode_sm90_supports(p, plan)) return false;
-  const int row_tiles = int((int64_t(plan.max_query_len) * p.heads + kRows - 1) / kRows);
-  return pair_fits(true, p.act, row_tiles, plan.schedule == DecodeSchedule::balanced,
-                   plan.num_workers, decode_sm90_tma_keys(p));
-}
-
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
   // 33-63 rows still take a 64-row tile in plan_decode; the kernel masks the missing rows,
@@ -918,39 +759,7 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   return sm90_kernel_runs_on(device);
 }
 
-void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
-                        cudaStream_t stream) {
-  {
-    CUtensorMap kmap{};
-    const int group = tma_keys_for(a, act, kmap);
-    if (pair_fits(pair, act, a.row_tiles, a.balanced, int(grid.x), group)) {
-      // Clusters of two along x: the per-request grid (2, splits, R) as is; the balanced
-      // grid as one wave of clusters (at most what the GPU holds at once, see
-      // pair_cluster_slots), each a pair worker.
-      if (a.balanced) grid.x = 2u * unsigned(std::min<int>(int(grid.x) / 2, pair_cluster_slots()));
-      auto* kernel = decode_sm90_kernel<bf16, true, true>;
-      KMLA_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = grid;
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = kSmemAlloc;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 2;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      const DecodeSm90Options& o = current_options();
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(
-          &cfg, kernel, a,
-          KernelFlags{o.skip_rescale, profile_mode(), group, o.pair_issue_wg1, o.early_issue},
-          kmap));
-      return;
-    }
-  }
+void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
     auto* kernel = current_options().wide_s ? decode_sm90_kernel<T, true>
                                             : decode_sm90_kernel<T, false>;

@@ -30,23 +30,21 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      shared-memory traffic for S) and the softmax, while
 //                                      warpgroup 1 waits (default 1: measured 1-4 % faster
 //                                      on every H200 case, 2026-12-03)
-//   KMLA_DECODE_SM90_ISSUE_WG1=0|1     with the wide S: the first warp of warpgroup 1 (idle
-//                                      during S and the softmax) issues the TMA copies instead
-//                                      of warp 0, which then starts S at once (default 0)
-//   KMLA_DECODE_SM90_PAIR_ISSUE_WG1=0|1 the same for the CTA-pair kernel, where that warp
-//                                      also waits for the peer (default 1: measured 18 %
-//                                      faster than warp 0 on H200, 2026-12-03)
-//   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA: issue the copies of tile t + 1 right after
-//                                      the tile barrier, before waiting for tile t to land
-//                                      (two tiles in flight instead of one; default 0)
+//   KMLA_DECODE_SM90_ISSUE_WG1=0|1     with the wide S, the first warp of warpgroup 1 (idle
+//                                      during S and the softmax) issues the TMA copies, not
+//                                      warp 0, which starts S at once (default 1: with the
+//                                      early issue 15-19 % faster on every H200 case,
+//                                      2026-12-03)
+//   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA, issue tile t + 1 right after the tile
+//                                      barrier, before waiting for tile t: two tiles in
+//                                      flight (default 1; alone +-1 %, with the above 1-2 %)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool tma = true;
   bool wide_s = true;
-  bool pair_issue_wg1 = true;
-  bool issue_wg1 = false;
-  bool early_issue = false;
+  bool issue_wg1 = true;
+  bool early_issue = true;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
@@ -56,24 +54,10 @@ void decode_sm90_set_options(const DecodeSm90Options& o);
 // the driver cannot encode; all compute the same). For tests and diagnostics.
 int decode_sm90_tma_keys(const DecodeParams& p);
 
-// Whether decode_attention runs `p` under `plan` (which decode_sm90_supports) as CTA pairs:
-// plan.sm90_pair (KMLA_DECODE_PAIR=1), bf16, the wide S, TMA copies, 65..128 rows per
-// request (two 64-row tiles), and a GPU that holds clusters of two such CTAs. A pair is a
-// cluster of 2 CTAs taking the two row tiles of one request over the same keys, each copying
-// half of every key tile into both (TMA multicast): docs/decode_sm90.md, "CTA pairs".
-bool decode_sm90_pair_runs(const DecodeParams& p, const DecodePlan& plan);
-
-// Clusters of two pair CTAs the current GPU holds at once (cudaOccupancyMaxActiveClusters;
-// 0 if none): the balanced pair grid's size. For tests and diagnostics.
-int decode_sm90_pair_clusters();
-
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
-// (ceil(max_rows / 64), num_splits, num_requests), or (num_workers) balanced. Writes out /
-// lse directly when a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for
-// the combine. With `pair` (plan.sm90_pair) it launches CTA pairs where they can run (see
-// decode_sm90_pair_runs; the balanced grid then shrinks to the clusters the GPU holds).
-void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, bool pair,
-                        cudaStream_t stream);
+// (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
+// a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for the combine.
+void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream);
 
 // Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
 // in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's
