@@ -180,6 +180,7 @@ struct KernelFlags {
 // Per tile t (keys key0 + 64 t ..), two stages:
 //   wait for my copies of tile t (and Q); proxy fence; __syncthreads    # t in; t-1 consumed
 //   issue the copies of tile t + 1 into the other stage (block ids read one tile ahead)
+//   (TMA with early_issue, the default: __syncthreads; issue t + 1; wait for tile t)
 //   S; wait; mask + tile max; bar(1); max, p, l; P -> smem; proxy fence; rescale O; bar(2)
 //   PV; wait
 // Registers per thread: O 128 fp32 + S 16 + softmax state and addresses (no launch-bound cap
@@ -191,10 +192,9 @@ struct KernelFlags {
 // flagged in key_ok, which masks it.
 //
 // TMA copies (flags.tma_keys = G > 0): one warp issues each tile (warp 4 with the wide S and
-// the default issue_wg1, else warp 0; and with the default early_issue right after the tile
-// barrier, before the wait for the current tile, which then moves behind it): lane j < 64 / G
-// looks up the
-// block of keys [G j, G j + G) (one block, since G divides the block size and every tile
+// the default issue_wg1, else warp 0; with the default early_issue right after the tile
+// barrier, the wait for the current tile moving behind the issue): lane j < 64 / G looks up
+// the block of keys [G j, G j + G) (one block, since G divides the block size and every tile
 // starts at a multiple of 64), and if that block id is good, 9 tensor copies of G rows x 64
 // columns, one per panel; lane 0 first announces the tile's bytes on the stage's mbarrier,
 // which every thread waits on instead of its own cp.async groups. Copies of whole groups
