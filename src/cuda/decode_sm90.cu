@@ -159,6 +159,8 @@ struct KernelFlags {
   // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
   // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
   int tma_keys;
+  bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
+  bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -178,6 +180,7 @@ struct KernelFlags {
 // Per tile t (keys key0 + 64 t ..), two stages:
 //   wait for my copies of tile t (and Q); proxy fence; __syncthreads    # t in; t-1 consumed
 //   issue the copies of tile t + 1 into the other stage (block ids read one tile ahead)
+//   (TMA with early_issue, the default: __syncthreads; issue t + 1; wait for tile t)
 //   S; wait; mask + tile max; bar(1); max, p, l; P -> smem; proxy fence; rescale O; bar(2)
 //   PV; wait
 // Registers per thread: O 128 fp32 + S 16 + softmax state and addresses (no launch-bound cap
@@ -188,8 +191,10 @@ struct KernelFlags {
 // once. A key outside [key0, key1) or behind a bad block id is zero-filled (never read) and
 // flagged in key_ok, which masks it.
 //
-// TMA copies (flags.tma_keys = G > 0): warp 0 issues each tile: lane j < 64 / G looks up the
-// block of keys [G j, G j + G) (one block, since G divides the block size and every tile
+// TMA copies (flags.tma_keys = G > 0): one warp issues each tile (warp 4 with the wide S and
+// the default issue_wg1, else warp 0; with the default early_issue right after the tile
+// barrier, the wait for the current tile moving behind the issue): lane j < 64 / G looks up
+// the block of keys [G j, G j + G) (one block, since G divides the block size and every tile
 // starts at a multiple of 64), and if that block id is good, 9 tensor copies of G rows x 64
 // columns, one per panel; lane 0 first announces the tile's bytes on the stage's mbarrier,
 // which every thread waits on instead of its own cp.async groups. Copies of whole groups
@@ -272,17 +277,26 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
-  // TMA: lane j of warp 0 takes keys [G j, G j + G) of every tile (see above the kernel).
+  // TMA: lane j of the issuing warp takes keys [G j, G j + G) of every tile (see above the
+  // kernel).
   const int tma_keys = flags.tma_keys;
   const bool tma = tma_keys > 0;
   const int lane_c = tid & 31;
+  // The warp that issues the copies: with the wide S (and flags.issue_wg1) warp 4, the first
+  // of warpgroup 1, which idles while warpgroup 0 computes S and the softmax, so the table
+  // lookups, ballots and copies stay off warpgroup 0's path to S; else warp 0.
+  const bool issuer = kWideS && flags.issue_wg1 ? (tid >> 5) == 4 : tid < 32;
+  // flags.early_issue: the copies of tile t + 1 go out right after the tile barrier (their
+  // stage, that of t - 1, is free there) and only then does everyone wait for tile t, so two
+  // tiles are in flight; else the wait for tile t comes before the barrier.
+  const bool early = tma && flags.early_issue;
   auto fetch_group = [&](int tile) -> int {
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
-    return tid < 32 && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
+    return issuer && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
                ? table[pos / a.block_size]
                : -1;
   };
-  auto issue_tma = [&](int tile, int block) {  // warp 0 only
+  auto issue_tma = [&](int tile, int block) {  // the issuing warp only
     const int stage = tile & 1;
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
     const bool any = tma_keys * lane_c < kKeys && pos < key1;
@@ -316,7 +330,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   auto issue_any = [&](int tile, int block) {
     if (!tma)
       issue(tile, block);
-    else if (tid < 32)
+    else if (issuer)
       issue_tma(tile, block);
   };
   // Which tiles get loaded at all (the "compute" profile stops after tile 1).
@@ -354,7 +368,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     const uint32_t kt = base + kKOff + stage * kTileBytes;
     cp_async_wait_all();  // my copies of this tile (and of Q) have landed
     fence_proxy_async();  // ... and are visible to the wgmma reads that follow
-    if (tma && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    if (tma && !early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
     __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
     if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
       const int b = next_block;
@@ -362,6 +376,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       issue_any(tile + 1, b);
     }
     cp_async_commit();
+    if (early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
     if (tma && fix_s[stage]) {
       // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
       for (int i = tid; i < kKeys * 64; i += kThreads) {
@@ -660,6 +675,8 @@ DecodeSm90Options& current_options() {
     o.skip_rescale = env_switch("KMLA_DECODE_SM90_SKIP_RESCALE", o.skip_rescale);
     o.tma = env_switch("KMLA_DECODE_SM90_TMA", o.tma);
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
+    o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
+    o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     return o;
   }();
   return opt;
@@ -754,7 +771,7 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group}, kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -30,11 +30,21 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      shared-memory traffic for S) and the softmax, while
 //                                      warpgroup 1 waits (default 1: measured 1-4 % faster
 //                                      on every H200 case, 2026-12-03)
+//   KMLA_DECODE_SM90_ISSUE_WG1=0|1     with the wide S, the first warp of warpgroup 1 (idle
+//                                      during S and the softmax) issues the TMA copies, not
+//                                      warp 0, which starts S at once (default 1: with the
+//                                      early issue 15-19 % faster on every H200 case,
+//                                      2026-12-03)
+//   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA, issue tile t + 1 right after the tile
+//                                      barrier, before waiting for tile t: two tiles in
+//                                      flight (default 1; alone +-1 %, with the above 1-2 %)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
   bool tma = true;
   bool wide_s = true;
+  bool issue_wg1 = true;
+  bool early_issue = true;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

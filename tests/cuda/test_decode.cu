@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda/decode_sched.cuh"
+#include "cuda/decode_sm90.cuh"
 #include "decode_harness.hpp"
 
 namespace kmla::cuda {
@@ -1123,6 +1124,53 @@ TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
     if (!std::getenv("KMLA_DECODE_PDL") && !schedule_forced())
       EXPECT_EQ(plan.programmatic_combine, major >= 9);
   }
+}
+
+// ---- the wgmma kernel's copy issue (DecodeSm90Options::issue_wg1, early_issue) ------------
+// The other tests run the defaults (warp 4 issues the TMA copies, tile t + 1 before the wait
+// for tile t); these run the three other combinations: 128 heads with mixed lengths and
+// lengths off the tile and block ends, the speculative 12 x 4 causal rows with block size 16
+// (4 key groups per tile, so several lanes issue), the balanced walk cutting every request,
+// per-request splits, and a bad block id (its group is never copied; the V rows are zeroed).
+void run_copy_issue_variants(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
+  const DecodeSm90Options saved = decode_sm90_options();
+  for (const int variant : {0, 1, 2}) {
+    DecodeSm90Options opt = saved;
+    opt.tma = true;
+    opt.wide_s = true;
+    opt.issue_wg1 = variant == 1;
+    opt.early_issue = variant == 2;
+    decode_sm90_set_options(opt);
+    CaseHooks hooks;
+    hooks.label = variant == 0 ? "warp 0 issues, late" : variant == 1 ? "warp 4 issues, late"
+                                                                        : "warp 0 issues, early";
+    run_case(c, tweaks, hooks);
+  }
+  decode_sm90_set_options(saved);
+}
+
+TEST(CudaDecode, Sm90CopyIssueVariants) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 128;
+  c.block_size = 64;
+  c.seq_lens = {1, 63, 900, 64, 65, 127, 128, 129, 1000, 4100};
+  c.query_lens = {1, 1, 0, 1, 1, 1, 1, 1, 1, 1};
+  c.seed = 81;
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {3, 0}, {0, 0, false, 300, 0, 0, 0}});
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {1, 3, 4, 5, 63, 64, 65, 66, 0, 129, 4100};
+  c.query_lens = {4, 4, 4, 4, 4, 4, 4, 3, 0, 2, 4};
+  c.seed = 82;
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {40, 0}});
+  c.heads = 64;
+  c.block_size = 64;
+  c.seq_lens = {300, 1000};
+  c.query_lens = {1, 1};
+  c.bad_block_request = 1;
+  c.seed = 83;
+  run_copy_issue_variants(c, {{0, 0}, {1, 0}, {4, 0}});
 }
 
 }  // namespace
