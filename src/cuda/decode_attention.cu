@@ -1390,6 +1390,32 @@ constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineInvariantChunks = 4;
 
+// Where the partials of (request r, row `row`) are, for both forms: S of them, partial s's
+// LSE at a.ws_lse[part(s)] and its output at a.ws_o + part(s) * 512. On a balanced plan
+// S <= 1 means the tile's only piece wrote out / lse itself (nothing to merge); a
+// batch-invariant grid's later splits are empty (LSE -inf, weight exactly 0) and not visited.
+struct RowPartials {
+  int64_t item;  // (request, row) pair
+  int row, S, w0;
+  __device__ int64_t part(const DecodeArgs& a, int s) const {
+    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
+                      : item * a.num_splits + s;
+  }
+};
+
+__device__ __forceinline__ RowPartials row_partials(const DecodeArgs& a, int64_t item, int r,
+                                                    int row) {
+  RowPartials p{item, row, a.num_splits, 0};
+  if (a.balanced) {
+    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
+    p.w0 = pieces.x;
+    p.S = pieces.y;
+  } else if (a.batch_invariant) {
+    p.S = invariant_splits(a.seq_lens[r], a.num_splits);
+  }
+  return p;
+}
+
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
     decode_combine_kernel(const DecodeArgs a, int chunks) {
@@ -1405,21 +1431,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
 #endif
-  // Partial s of this row: LSE a.ws_lse[part(s)], output a.ws_o + part(s) * 512.
-  int S = a.num_splits, w0 = 0;
-  if (a.balanced) {
-    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
-    w0 = pieces.x;
-    S = pieces.y;
-    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
-  } else if (a.batch_invariant) {
-    // The grid's later splits are empty (LSE -inf, weight exactly 0): not visited.
-    S = invariant_splits(a.seq_lens[r], a.num_splits);
-  }
-  auto part = [&](int s) -> int64_t {
-    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
-                      : item * a.num_splits + s;
-  };
+  const RowPartials rp = row_partials(a, item, r, row);
+  const int S = rp.S;
+  if (a.balanced && S <= 1) return;
+  auto part = [&](int s) { return rp.part(a, s); };
   auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
   auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
 
@@ -1549,17 +1564,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
 #endif
-  int S = a.num_splits, w0 = 0;
-  if (a.balanced) {
-    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
-    w0 = pieces.x;
-    S = pieces.y;
-    if (S <= 1) return;  // the tile's only piece wrote out / lse itself
-  }
-  auto part = [&](int s) -> int64_t {
-    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
-                      : item * a.num_splits + s;
-  };
+  const RowPartials rp = row_partials(a, item, r, row);
+  const int S = rp.S;
+  if (a.balanced && S <= 1) return;
+  auto part = [&](int s) { return rp.part(a, s); };
 
   // 1. the LSEs, one pass, independent loads; block max
   float lse[kCombineLsePerThread];
