@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_fp8_sm90.cuh"
@@ -64,10 +65,11 @@ static_assert(kKRopeOff % 1024 == 0 && kVRawOff % 1024 == 0 && kVtOff % 1024 == 
 static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt-in");
 
 // Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
-// the producer drops to 56 and the consumers rise to 224: 128 x 56 + 256 x 224 = 64512, the
+// the producer drops to 72 and the consumers rise to 216: 128 x 72 + 256 x 216 = 64512, the
 // registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
-// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state. The producer's V
-// transposers hold 4 loaded words, 4 halfway and 4 transposed per 4x4 block.
+// of 4 e4m3 codes: half of the 16-bit kernels' 32), with q_regs Q's fragments (24) and the
+// softmax state; ptxas fits it in 184 without Q's 24, so 216 leaves room. The producer's
+// ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
 constexpr int kProducerRegs = 72;
 // Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
 // before O and l are rescaled to it.
@@ -134,14 +136,15 @@ __device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], uint64_t desc_a, u
 // a[0] = row g, k 4t..4t+3; a[1] = row g+8, same k; a[2], a[3] = the same rows, k + 16) B^T
 // (B: 128 x 32 e4m3, smem, K-major).
 __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
-                                              uint64_t desc_b) {
+                                              uint64_t desc_b, bool accumulate = true) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
       ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : KMLA_FP8_ACC64
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
 }
+
 #undef KMLA_FP8_ACC64
 #undef KMLA_FP8_ACC8
 #undef KMLA_FP8_D64
@@ -233,6 +236,24 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 }
 __device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// This thread's A fragments of Q for S = Q K^T from registers (Fp8PrefillOptions::q_regs):
+// rows r0 = warpgroup row 16 w + g and r0 + 8 of the CTA block, the 6 k-steps of 32 dims
+// (4 in the SW128 nope panel, 2 in the SW64 rope panel), each as the 8-bit A fragment
+// (wgmma_e4m3_rs): dims 4t..4t+3 and 16 + 4t..16 + 4t + 3 of the k-step. 24 registers, read
+// once per CTA with 32-bit loads.
+__device__ __forceinline__ void load_q_frags(uint32_t (&qa)[6][4], uint32_t q_nope,
+                                             uint32_t q_rope, int r0, int t) {
+#pragma unroll
+  for (int kk = 0; kk < 6; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = r0 + 8 * (e & 1), byte = 32 * (kk & 3) + 16 * (e >> 1) + 4 * t;
+      qa[kk][e] = kk < 4 ? lds32(q_nope + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15))
+                         : lds32(q_rope + r * 64 + (((byte >> 4) ^ ((r >> 1) & 3)) << 4) +
+                                 (byte & 15));
+    }
 }
 
 // V tile [128 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][128 key slots] (SW128),
@@ -388,7 +409,7 @@ template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int blocks_per_head, int head_group, bool pingpong, bool ldsm,
-                            bool lazy) {
+                            bool lazy, bool q_regs) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
@@ -569,19 +590,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sc[64];
   uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
   uint32_t pa[4][4];
+  uint32_t qa[6][4];  // q_regs: this thread's Q fragments (load_q_frags)
   float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
   float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
   float corr[2] = {1.f, 1.f};
 
-  auto issue_s = [&](int j) {
+  // kQRegs (std::bool_constant): Q from registers. A compile-time choice inside the kernel: with
+  // a runtime branch between the issues ptxas adds warpgroup fences to both paths (C7519).
+  auto issue_s = [&](int j, auto q_from_regs) {
+    constexpr bool kQRegs = decltype(q_from_regs)::value;
     const uint32_t st = stage(j);
+    if constexpr (kQRegs) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
-                    kk > 0);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_e4m3_rs(sc, qa[kk], desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
+      for (int kk = 0; kk < 2; ++kk)
+        wgmma_e4m3_rs(sc, qa[4 + kk], desc_sw64(st + kKRopeOff + 32 * kk), true);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
+                      kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk),
+                      true);
+    }
     wgmma_commit();
   };
   auto issue_pv = [&](int j) {
@@ -714,12 +749,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) turn_pass<1>();
 
-  if (my_tiles > 0) {
+  // The main loop, once per choice of kQRegs.
+  auto main_loop = [&](auto q_from_regs) {
     mbar_wait(&q_full, 0);
+    if constexpr (decltype(q_from_regs)::value)
+      load_q_frags(qa, q_nope_s, q_rope_s, 64 * cw + 16 * warp + g, t);
     mbar_wait(&k_full[0], 0);
     slot_begin(0);
     wgmma_fence();
-    issue_s(0);
+    issue_s(0, q_from_regs);
     slot_end(0);
     wgmma_wait<0>();
     fence_regs(sc);
@@ -733,7 +771,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_regs(o);
       slot_begin(j);
       wgmma_fence();
-      issue_s(j);
+      issue_s(j, q_from_regs);
       fence_regs(o);  // the multiplies below come after the S issue
       if (owe) rescale_o();
       fence_regs(o);
@@ -763,6 +801,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_regs(o);
     release(&vt_empty[last % kStages]);
+  };
+  if (my_tiles > 0) {
+    if (q_regs)
+      main_loop(std::true_type{});
+    else
+      main_loop(std::false_type{});
   }
   // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
   for (int j = my_tiles; j < num_tiles; ++j) {
@@ -797,7 +841,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)ldsm,
-      (void)lazy;
+      (void)lazy, (void)q_regs;
 #endif
 }
 
@@ -810,7 +854,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
                                                                 const uint8_t* v, float* s_out,
-                                                                float* o_out, bool ldsm) {
+                                                                float* o_out, bool ldsm,
+                                                                bool q_regs) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -837,17 +882,32 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   __syncthreads();
 
   float sc[64];
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    wgmma_e4m3_ss(sc, desc_sw128(q_nope_s + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk)
-    wgmma_e4m3_ss(sc, desc_sw64(q_rope_s + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(sc);
   const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
+  if (q_regs) {
+    uint32_t qa[6][4];
+    load_q_frags(qa, q_nope_s, q_rope_s, r, t);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_e4m3_rs(sc, qa[kk], desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_e4m3_rs(sc, qa[4 + kk], desc_sw64(st + kKRopeOff + 32 * kk), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+  } else {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw128(q_nope_s + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
+                    kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw64(q_rope_s + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  fence_regs(sc);
 #pragma unroll
   for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -876,7 +936,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)ldsm;
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)ldsm, (void)q_regs;
 #endif
 }
 
@@ -959,19 +1019,19 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.ldsm_transpose, opt.lazy_rescale);
+                                             opt.ldsm_transpose, opt.lazy_rescale, opt.q_regs);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool ldsm_transpose, cudaStream_t stream) {
+                       bool ldsm_transpose, bool q_regs, cudaStream_t stream) {
   constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
   KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
   prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
       static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
-      static_cast<const uint8_t*>(v), s_out, o_out, ldsm_transpose);
+      static_cast<const uint8_t*>(v), s_out, o_out, ldsm_transpose, q_regs);
   KMLA_LAUNCH_CHECK();
 }
 

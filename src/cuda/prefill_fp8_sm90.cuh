@@ -11,7 +11,7 @@ namespace kmla::cuda {
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
 // KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LDSM=0|1,
-// KMLA_PREFILL_FP8_LAZY=0|1.
+// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_QREGS=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -30,6 +30,10 @@ struct Fp8PrefillOptions {
   // stored as 128 p with p <= 2 against the stale max, still <= 256 as e4m3. Skips the 64
   // multiplies and most of the rescale decisions on nearly every tile past the first few.
   bool lazy_rescale = true;
+  // S = Q K^T with Q's A fragments in registers (24 per consumer thread, loaded once) instead
+  // of read from shared memory by every S wgmma: 24 KiB less shared-memory traffic per
+  // consumer and tile (a seventh of the whole).
+  bool q_regs = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
@@ -48,8 +52,9 @@ void prefill_attention_fp8(const PrefillParams& p, cudaStream_t stream,
 // Building-block probe for tests (one CTA, no pipeline; needs an sm_90 GPU): q [64, 192],
 // k [128, 192], v [128, 128] dense e4m3 rows (device); writes s_out = q k^T [64, 128] and
 // o_out = e4m3(s_out) v [64, 128], fp32, computed by the kernel's smem layouts, descriptors,
-// V transpose (ldmatrix / stmatrix or 32-bit, as the kernel's option) and P fragment packing.
+// V transpose (ldmatrix / stmatrix or 32-bit, as the kernel's option), Q from shared memory or
+// from registers (q_regs) and P fragment packing.
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool ldsm_transpose, cudaStream_t stream);
+                       bool ldsm_transpose, bool q_regs, cudaStream_t stream);
 
 }  // namespace kmla::cuda

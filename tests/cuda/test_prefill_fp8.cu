@@ -2,9 +2,9 @@
 // against an fp64 CPU reference on the dequantised inputs. Every input buffer is NaN (code
 // 0x7F) wherever it is not an operand element, including rows past the last token, so a load
 // outside a sequence poisons the result; out and lse are poisoned before each run so missing
-// and stray writes are caught. Each case runs the public entry point and eight non-default
+// and stray writes are caught. Each case runs the public entry point and ten non-default
 // variants of the kernel (ping-pong, head groups of 3, head-major CTA order, 3 stages, f16x2
-// exponentials, the 32-bit V transpose, the rescale at every new max).
+// exponentials, the 32-bit V transpose, the rescale at every new max, Q in registers).
 //
 // Two kinds of data:
 // * exact: every query row is one-hot (code 1 at a random one of the 192 dims) and the keys
@@ -275,7 +275,10 @@ void run_case(const Case& c) {
                                {false, 8, 2, false, true, false}},
                               {"f16x2, pingpong, rescale at every new max, 32-bit V transpose",
                                false,
-                               {true, 8, 2, true, false, false}}};
+                               {true, 8, 2, true, false, false}},
+                              {"Q in registers", false, {false, 8, 2, false, true, true, true}},
+                              {"Q in registers, f16x2, pingpong, 3 stages", false,
+                               {true, 8, 3, true, true, true, true}}};
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
     d_out.fill_bytes(0xFF);
@@ -462,11 +465,13 @@ TEST(CudaPrefillFp8, ProbeBuildingBlocks) {
   for (auto& x : v) x = float_to_e4m3_sat(float(int(rng.below(9)) - 4));
   DevBuf<uint8_t> dq(q), dk(k), dv(v);
   DevBuf<float> ds(64 * 128), dout(64 * 128);
-  for (const bool ldsm : {true, false}) {
-    SCOPED_TRACE(ldsm ? "ldmatrix / stmatrix transpose" : "32-bit transpose");
+  for (const int variant : {0, 1, 2}) {
+    // 0: the defaults; 1: the 32-bit V transpose; 2: Q's fragments from registers.
+    const bool ldsm = variant != 1, q_regs = variant == 2;
+    SCOPED_TRACE(variant == 0 ? "defaults" : variant == 1 ? "32-bit transpose" : "Q in registers");
     ds.fill_bytes(0xFF);  // NaN: an element the probe did not write fails
     dout.fill_bytes(0xFF);
-    cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, ldsm, nullptr);
+    cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, ldsm, q_regs, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> s = ds.download(), o = dout.download();
     int bad_s = 0, bad_o = 0;
