@@ -161,6 +161,36 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
   return r;
 }
 
+// P's e4m3 codes without conversion instructions (the default; Fp8PrefillOptions::cvt_pack
+// keeps cvt): Hopper runs conversions at a quarter of the FP32 rate or less, and 32 of them per
+// thread and tile cost as much pipe time as half the exponentials. For 0 <= v <= 256 (P's
+// range), v * 2^-120 re-biases the fp32 exponent to e4m3's (127 -> 7): its bits 20..27 are
+// then the e4m3 code truncated, e4m3 subnormals included (v < 2^-6 gives an fp32 denormal
+// with the same bits; the multiply must not flush them, hence mul.rn without .ftz). Adding
+// half a code step (2^19) before taking those bits rounds half up, which differs from cvt's
+// round-to-even only on exact ties. (b + 2^19) * 16 moves the code to byte 3 (bits 28..31 of
+// b are 0 for v <= 256), and byte permutes gather four of them.
+__device__ __forceinline__ uint32_t e4m3_byte3(float v) {
+  float y;
+  asm("mul.rn.f32 %0, %1, 0f03800000;\n" : "=f"(y) : "f"(v));  // 2^-120
+  return __float_as_uint(y) * 16u + (1u << 23);
+}
+__device__ __forceinline__ uint32_t e4m3x4_bits(float b0, float b1, float b2, float b3) {
+  const uint32_t lo = __byte_perm(e4m3_byte3(b0), e4m3_byte3(b1), 0x0073);
+  const uint32_t hi = __byte_perm(e4m3_byte3(b2), e4m3_byte3(b3), 0x7300);
+  return __byte_perm(lo, hi, 0x7610);
+}
+// The same for f16x2 pairs (kExp16): v * 2^-8 re-biases f16's exponent (15 -> 7), the code is
+// in bits 7..14 of each half, + 2^6 rounds, * 2 moves the codes to bytes 1 and 3.
+__device__ __forceinline__ uint32_t e4m3x2_f16_bytes13(uint32_t pair) {
+  uint32_t y;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(pair), "r"(0x1C001C00u));  // 2^-8, 2^-8
+  return y * 2u + 0x00800080u;
+}
+__device__ __forceinline__ uint32_t e4m3x4_f16_bits(uint32_t lo_pair, uint32_t hi_pair) {
+  return __byte_perm(e4m3x2_f16_bytes13(lo_pair), e4m3x2_f16_bytes13(hi_pair), 0x7531);
+}
+
 // The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
 // half), 2^x of both by one MUFU op, their f16x2 sum, and four f16 values as e4m3 codes.
 __device__ __forceinline__ uint32_t f16x2_from(float a, float b) {
@@ -409,7 +439,7 @@ template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int blocks_per_head, int head_group, bool pingpong, bool ldsm,
-                            bool lazy, bool q_regs) {
+                            bool lazy, bool q_regs, bool cvt_pack) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
@@ -709,19 +739,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t* q = ph + 8 * kk;
-        pa[kk][0] = e4m3x4_f16(q[0], q[2]);
-        pa[kk][1] = e4m3x4_f16(q[1], q[3]);
-        pa[kk][2] = e4m3x4_f16(q[4], q[6]);
-        pa[kk][3] = e4m3x4_f16(q[5], q[7]);
+        if (cvt_pack) {
+          pa[kk][0] = e4m3x4_f16(q[0], q[2]);
+          pa[kk][1] = e4m3x4_f16(q[1], q[3]);
+          pa[kk][2] = e4m3x4_f16(q[4], q[6]);
+          pa[kk][3] = e4m3x4_f16(q[5], q[7]);
+        } else {
+          pa[kk][0] = e4m3x4_f16_bits(q[0], q[2]);
+          pa[kk][1] = e4m3x4_f16_bits(q[1], q[3]);
+          pa[kk][2] = e4m3x4_f16_bits(q[4], q[6]);
+          pa[kk][3] = e4m3x4_f16_bits(q[5], q[7]);
+        }
       }
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const float* s = sc + 16 * kk;
-        pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
-        pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
-        pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
-        pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
+        if (cvt_pack) {
+          pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+          pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+          pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+          pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
+        } else {
+          pa[kk][0] = e4m3x4_bits(s[0], s[1], s[4], s[5]);
+          pa[kk][1] = e4m3x4_bits(s[2], s[3], s[6], s[7]);
+          pa[kk][2] = e4m3x4_bits(s[8], s[9], s[12], s[13]);
+          pa[kk][3] = e4m3x4_bits(s[10], s[11], s[14], s[15]);
+        }
       }
     }
   };
@@ -841,7 +885,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)ldsm,
-      (void)lazy, (void)q_regs;
+      (void)lazy, (void)q_regs, (void)cvt_pack;
 #endif
 }
 
@@ -1019,7 +1063,8 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.ldsm_transpose, opt.lazy_rescale, opt.q_regs);
+                                             opt.ldsm_transpose, opt.lazy_rescale, opt.q_regs,
+                                             opt.cvt_pack);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -11,7 +11,7 @@ namespace kmla::cuda {
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
 // KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LDSM=0|1,
-// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_QREGS=0|1.
+// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -34,6 +34,9 @@ struct Fp8PrefillOptions {
   // of read from shared memory by every S wgmma: 24 KiB less shared-memory traffic per
   // consumer and tile (a seventh of the whole).
   bool q_regs = false;
+  // P's e4m3 codes by cvt instructions (as before) instead of a multiply, an integer
+  // multiply-add and byte permutes (e4m3x4_bits): conversions are slow on Hopper.
+  bool cvt_pack = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
