@@ -264,9 +264,6 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
-__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
 
 // This thread's A fragments of Q for S = Q K^T from registers (Fp8PrefillOptions::q_regs):
 // rows r0 = warpgroup row 16 w + g and r0 + 8 of the CTA block, the 6 k-steps of 32 dims
@@ -291,46 +288,13 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&qa)[6][4], uint32_t q_no
 // accumulator registers are the A fragment as they stand: within each 32-key k-step, slot
 // 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for the second
 // 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are keys
-// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2): a thread loads that word's 4
-// key rows at 4 dims (one 32-bit load each), transposes the 4x4 bytes with byte permutes and
-// stores 4 words, one per dim row.
-// Lanes: t = lane & 3, a = lane >> 2; dim group c = a + 8 cc (dims 4c..4c+3), word group
-// w >> 2 = wq ^ (a >> 1). Loads: the bank is chunk ((c >> 2) ^ (2t + (i & 1))), word c & 3,
-// distinct over the 32 lanes. Stores: chunk ((w >> 2) ^ (4 (a & 1) + b)), word t, distinct
-// too, thanks to the XOR of the word group with a >> 1. So no bank conflicts either way.
-// Per thread and tile: 16 blocks of 4 loads, 8 permutes, 4 stores.
-__device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
-  const int t = lane & 3, a = lane >> 2;
-#pragma unroll 2
-  for (int blk = 0; blk < 16; ++blk) {
-    const int c = a + 8 * (2 * tw + (blk >> 3));
-    const int wq = (blk & 7) ^ (a >> 1);  // word group = 16-key half of a k-step
-    const int key0 = 16 * wq + 2 * t;
-    uint32_t x[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = key0 + (i & 1) + 8 * (i >> 1);
-      x[i] = lds32(vraw + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4);
-    }
-    const uint32_t lo01 = __byte_perm(x[0], x[1], 0x5140), hi01 = __byte_perm(x[0], x[1], 0x7362);
-    const uint32_t lo23 = __byte_perm(x[2], x[3], 0x5140), hi23 = __byte_perm(x[2], x[3], 0x7362);
-    const uint32_t y[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-    const int w = 4 * wq + t;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int d = 4 * c + b;
-      sts32(vt + d * 128 + (((w >> 2) ^ (d & 7)) << 4) + (w & 3) * 4, y[b]);
-    }
-  }
-}
-
-// The same transpose with ldmatrix.trans / stmatrix (the default; transpose_v above is the
-// KMLA_PREFILL_FP8_LDSM=0 variant): a quarter of the shared-memory instructions (one x4
-// instruction moves 512 bytes, where an LDS.32 moves 128) and four loads in flight per thread
-// instead of one block's, so the transposers' throughput no longer hangs on shared-memory
-// latency. Warp tw takes dims 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys:
-// 16 instructions of each kind per thread and tile, 64 byte permutes.
+// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2).
+// With ldmatrix.trans / stmatrix one x4 instruction moves 512 bytes (a 32-bit access 128),
+// and the 16 loads of a thread go out in two batches of 8. (The first version, 32-bit loads,
+// byte permutes and 32-bit stores in 16 dependent rounds per tile, was the kernel's wall:
+// 1.01x the bf16 time against 0.79x with this one, H200 8k x 64 heads.) Warp tw takes dims
+// 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys: 16 instructions of each
+// kind per thread and tile, 64 byte permutes.
 //   Load n (word group wq = n >> 1, chunks c0 = 4 tw + 2 (n & 1), c0 + 1): four 8x8 b16
 //   matrices, keys 16 wq + {0..7, 8..15} of chunk c0, then the same of chunk c0 + 1 (lane l
 //   gives row l & 7 of matrix l >> 3). With .trans, lane (p = l >> 2, t = l & 3) receives of
@@ -356,7 +320,7 @@ __device__ __forceinline__ void stsm4(uint32_t addr, uint32_t a, uint32_t b, uin
                : "memory");
 }
 constexpr int kLdsmBatch = 8;
-__device__ __forceinline__ void transpose_v_ldsm(uint32_t vraw, uint32_t vt, int tw, int lane) {
+__device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
   const int q = lane & 7, m = lane >> 3, p = lane >> 2;
   // This lane's load row: key 16 wq + 8 (m & 1) + q of chunk c0 + (m >> 1); key & 7 = q.
   uint32_t ld[2];
@@ -438,7 +402,7 @@ __device__ __forceinline__ void turn_pass() {
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
-                            int blocks_per_head, int head_group, bool pingpong, bool ldsm,
+                            int blocks_per_head, int head_group, bool pingpong,
                             bool lazy, bool q_regs, bool cvt_pack) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
@@ -572,10 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = stage(j);
         mbar_wait(&vr_full[s], use_parity(j));
         if (j >= kStages) mbar_wait(&vt_empty[s], use_parity(j) ^ 1u);
-        if (ldsm)
-          transpose_v_ldsm(st + kVRawOff, st + kVtOff, tw, lane);
-        else
-          transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
+        transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
         // Every load has returned (the stores used them): the raw slot may be refilled. And
         // the stores go to the async proxy (wgmma) through this thread's fence.
         fence_proxy_async();
@@ -884,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)ldsm,
+  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong,
       (void)lazy, (void)q_regs, (void)cvt_pack;
 #endif
 }
@@ -898,7 +859,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
                                                                 const uint8_t* v, float* s_out,
-                                                                float* o_out, bool ldsm,
+                                                                float* o_out,
                                                                 bool q_regs) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
@@ -917,10 +878,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   cp_async_commit_wait_all();
   __syncthreads();
   if (warp < 2) {
-    if (ldsm)
-      transpose_v_ldsm(st + kVRawOff, st + kVtOff, warp, lane);
-    else
-      transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
+    transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
   }
   fence_proxy_async();
   __syncthreads();
@@ -980,7 +938,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)ldsm, (void)q_regs;
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)q_regs;
 #endif
 }
 
@@ -1063,20 +1021,20 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.ldsm_transpose, opt.lazy_rescale, opt.q_regs,
+                                             opt.lazy_rescale, opt.q_regs,
                                              opt.cvt_pack);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool ldsm_transpose, bool q_regs, cudaStream_t stream) {
+                       bool q_regs, cudaStream_t stream) {
   constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
   KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
   prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
       static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
-      static_cast<const uint8_t*>(v), s_out, o_out, ldsm_transpose, q_regs);
+      static_cast<const uint8_t*>(v), s_out, o_out, q_regs);
   KMLA_LAUNCH_CHECK();
 }
 

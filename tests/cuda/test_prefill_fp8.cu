@@ -2,10 +2,10 @@
 // against an fp64 CPU reference on the dequantised inputs. Every input buffer is NaN (code
 // 0x7F) wherever it is not an operand element, including rows past the last token, so a load
 // outside a sequence poisons the result; out and lse are poisoned before each run so missing
-// and stray writes are caught. Each case runs the public entry point and ten non-default
+// and stray writes are caught. Each case runs the public entry point and eight non-default
 // variants of the kernel (ping-pong, head groups of 3, head-major CTA order, 3 stages, f16x2
-// exponentials, the 32-bit V transpose, the rescale at every new max, Q in registers, P packed
-// by cvt instead of bit arithmetic).
+// exponentials, the rescale at every new max, Q in registers, P packed by cvt instead of bit
+// arithmetic).
 //
 // Two kinds of data:
 // * exact: every query row is one-hot (code 1 at a random one of the 192 dims) and the keys
@@ -273,16 +273,13 @@ void run_case(const Case& c) {
                               {"pingpong, 3 stages", false, {true, 8, 3}},
                               {"f16x2 exponentials", false, {false, 8, 2, true}},
                               {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}},
-                              {"32-bit V transpose", false, {false, 8, 2, false, false}},
                               {"rescale at every new max, cvt packing", false,
-                               {false, 8, 2, false, true, false, false, true}},
-                              {"f16x2, pingpong, rescale at every new max, 32-bit V transpose, "
-                               "cvt packing",
-                               false,
-                               {true, 8, 2, true, false, false, false, true}},
-                              {"Q in registers", false, {false, 8, 2, false, true, true, true}},
+                               {false, 8, 2, false, false, false, true}},
+                              {"f16x2, pingpong, rescale at every new max, cvt packing", false,
+                               {true, 8, 2, true, false, false, true}},
+                              {"Q in registers", false, {false, 8, 2, false, true, true}},
                               {"Q in registers, f16x2, pingpong, 3 stages", false,
-                               {true, 8, 3, true, true, true, true}}};
+                               {true, 8, 3, true, true, true}}};
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
     d_out.fill_bytes(0xFF);
@@ -469,13 +466,11 @@ TEST(CudaPrefillFp8, ProbeBuildingBlocks) {
   for (auto& x : v) x = float_to_e4m3_sat(float(int(rng.below(9)) - 4));
   DevBuf<uint8_t> dq(q), dk(k), dv(v);
   DevBuf<float> ds(64 * 128), dout(64 * 128);
-  for (const int variant : {0, 1, 2}) {
-    // 0: the defaults; 1: the 32-bit V transpose; 2: Q's fragments from registers.
-    const bool ldsm = variant != 1, q_regs = variant == 2;
-    SCOPED_TRACE(variant == 0 ? "defaults" : variant == 1 ? "32-bit transpose" : "Q in registers");
+  for (const bool q_regs : {false, true}) {
+    SCOPED_TRACE(q_regs ? "Q in registers" : "Q from shared memory");
     ds.fill_bytes(0xFF);  // NaN: an element the probe did not write fails
     dout.fill_bytes(0xFF);
-    cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, ldsm, q_regs, nullptr);
+    cuda::prefill_fp8_probe(dq.ptr, dk.ptr, dv.ptr, ds.ptr, dout.ptr, q_regs, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> s = ds.download(), o = dout.download();
     int bad_s = 0, bad_o = 0;
