@@ -145,6 +145,23 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
 }
 
+// d (64 x 8 fp32) += A (64 x 32 e4m3 in registers, as above) B^T (B: 8 x 32 e4m3, smem): with
+// B all ones, every column of d gains the row sums of A (the mma_rowsum option).
+__device__ __forceinline__ void wgmma_e4m3_rs_n8(float (&d)[4], const uint32_t (&a)[4],
+                                                 uint64_t desc_b) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3},"
+      " {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+// A K-major operand without swizzle (8-row x 16-byte core matrices of 128 contiguous bytes, the
+// next along K 128 bytes on, the next along N 256): for the 256 bytes of ones.
+__device__ __forceinline__ uint64_t desc_plain(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+}
+
 #undef KMLA_FP8_ACC64
 #undef KMLA_FP8_ACC8
 #undef KMLA_FP8_D64
@@ -403,11 +420,12 @@ template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int blocks_per_head, int head_group, bool pingpong,
-                            bool lazy, bool q_regs, bool cvt_pack) {
+                            bool lazy, bool q_regs, bool cvt_pack, bool mma_rowsum) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
   __shared__ __align__(8) uint64_t vt_full[kStages], vt_empty[kStages];
+  __shared__ __align__(128) uint32_t ones_s[64];  // 256 e4m3 ones (0x38): mma_rowsum's B
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
@@ -450,6 +468,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&vt_empty[s], 8);
     }
     sm90::fence_mbarrier_init();
+  }
+  if (tid < 64) {
+    ones_s[tid] = 0x38383838u;
+    fence_proxy_async();  // read by wgmma (the async proxy) after the barrier
   }
   __syncthreads();
 
@@ -584,6 +606,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t qa[6][4];  // q_regs: this thread's Q fragments (load_q_frags)
   float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
   float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
+  // mma_rowsum: l of rows g, g + 8 from the tensor cores (m64n8: cols 2t, 2t + 1 per row).
+  float lacc[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t ones_u32 = smem_u32(ones_s);
   float corr[2] = {1.f, 1.f};
 
   // kQRegs (std::bool_constant): Q from registers. A compile-time choice inside the kernel: with
@@ -610,15 +635,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
   };
-  auto issue_pv = [&](int j) {
+  auto issue_pv = [&](int j, auto mma_sum) {
     const uint32_t vt = stage(j) + kVtOff;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
+      if constexpr (decltype(mma_sum)::value) wgmma_e4m3_rs_n8(lacc, pa[kk], desc_plain(ones_u32));
+    }
     wgmma_commit();
   };
   // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
   // exponent). Returns whether some row of the warp moved its max (O then needs corr).
-  auto softmax = [&](int j) {
+  auto softmax = [&](int j, auto mma_sum) {
+    constexpr bool kMmaSum = decltype(mma_sum)::value;
     const int key0 = j * kBlockN;
     if (key0 + kBlockN > min_visible) {
 #pragma unroll
@@ -666,31 +695,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
                                                   fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
           ph[2 * i + h] = e;
-          sum2[i & 1] = add_f16x2(sum2[i & 1], e);
+          if constexpr (!kMmaSum) sum2[i & 1] = add_f16x2(sum2[i & 1], e);
         }
-        sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
+        if constexpr (!kMmaSum) sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
       } else {
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
           sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
-          part[(2 * i) & 3] += sc[4 * i + 2 * h];
-          part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+          if constexpr (!kMmaSum) {
+            part[(2 * i) & 3] += sc[4 * i + 2 * h];
+            part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+          }
         }
-        sum = (part[0] + part[1]) + (part[2] + part[3]);
+        if constexpr (!kMmaSum) sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
-      row_sum[h] = row_sum[h] * corr[h] + sum;
+      if constexpr (!kMmaSum) row_sum[h] = row_sum[h] * corr[h] + sum;
     }
     return __any_sync(0xffffffffu, moved);
   };
-  auto rescale_o = [&] {
+  auto rescale_o = [&](auto mma_sum) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       o[4 * i + 0] *= corr[0];
       o[4 * i + 1] *= corr[0];
       o[4 * i + 2] *= corr[1];
       o[4 * i + 3] *= corr[1];
+    }
+    if constexpr (decltype(mma_sum)::value) {
+      lacc[0] *= corr[0];
+      lacc[1] *= corr[0];
+      lacc[2] *= corr[1];
+      lacc[3] *= corr[1];
     }
   };
   // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
@@ -754,8 +791,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) turn_pass<1>();
 
-  // The main loop, once per choice of kQRegs.
-  auto main_loop = [&](auto q_from_regs) {
+  // The main loop, once per choice of q_regs and mma_rowsum.
+  auto main_loop = [&](auto q_from_regs, auto mma_sum) {
     mbar_wait(&q_full, 0);
     if constexpr (decltype(q_from_regs)::value)
       load_q_frags(qa, q_nope_s, q_rope_s, 64 * cw + 16 * warp + g, t);
@@ -767,51 +804,62 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_regs(sc);
     release(&k_empty[0]);
-    softmax(0);  // O is still zero: no rescale owed
+    softmax(0, mma_sum);  // O is still zero: no rescale owed
     pack_p();
     bool owe = false;  // O still needs corr of the last softmax
     for (int j = 1; j < my_tiles; ++j) {
       const int s = j % kStages, sp = (j - 1) % kStages;
       mbar_wait(&k_full[s], use_parity(j));
       fence_regs(o);
+      fence_regs(lacc);
       slot_begin(j);
       wgmma_fence();
       issue_s(j, q_from_regs);
       fence_regs(o);  // the multiplies below come after the S issue
-      if (owe) rescale_o();
+      fence_regs(lacc);
+      if (owe) rescale_o(mma_sum);
       fence_regs(o);
+      fence_regs(lacc);
       // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
       mbar_wait(&vt_full[sp], use_parity(j - 1));
       wgmma_fence();
-      issue_pv(j - 1);
+      issue_pv(j - 1, mma_sum);
       slot_end(j);
       wgmma_wait<1>();  // S(j) done (groups retire in order)
       fence_regs(sc);
       release(&k_empty[s]);
-      owe = softmax(j);
+      owe = softmax(j, mma_sum);
       wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
       fence_regs(o);
+      fence_regs(lacc);
       release(&vt_empty[sp]);
       pack_p();
     }
     const int last = my_tiles - 1;
     mbar_wait(&vt_full[last % kStages], use_parity(last));
     fence_regs(o);
+    fence_regs(lacc);
     slot_begin(my_tiles);
-    if (owe) rescale_o();
+    if (owe) rescale_o(mma_sum);
     fence_regs(o);
+    fence_regs(lacc);
     wgmma_fence();
-    issue_pv(last);
+    issue_pv(last, mma_sum);
     slot_end(my_tiles);
     wgmma_wait<0>();
     fence_regs(o);
+    fence_regs(lacc);
     release(&vt_empty[last % kStages]);
   };
   if (my_tiles > 0) {
+    // Not both: with Q's 24 and l's 4 registers ptxas serialised every wgmma of the kernel
+    // (C7511, too few registers for the wgmma pipeline). q_regs wins if both are set.
     if (q_regs)
-      main_loop(std::true_type{});
+      main_loop(std::true_type{}, std::false_type{});
+    else if (mma_rowsum)
+      main_loop(std::false_type{}, std::true_type{});
     else
-      main_loop(std::false_type{});
+      main_loop(std::false_type{}, std::false_type{});
   }
   // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
   for (int j = my_tiles; j < num_tiles; ++j) {
@@ -831,6 +879,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float l = row_sum[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (mma_rowsum && !q_regs) l = lacc[2 * h];  // every column holds the row's sum
     if (row >= n) continue;
     const bool any = l > 0.f;
     const float f = any ? v_scale / l : 0.f;
@@ -846,7 +895,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong,
-      (void)lazy, (void)q_regs, (void)cvt_pack;
+      (void)lazy, (void)q_regs, (void)cvt_pack, (void)mma_rowsum;
 #endif
 }
 
@@ -1022,7 +1071,7 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
                                              opt.lazy_rescale, opt.q_regs,
-                                             opt.cvt_pack);
+                                             opt.cvt_pack, opt.mma_rowsum);
     KMLA_LAUNCH_CHECK();
   });
 }

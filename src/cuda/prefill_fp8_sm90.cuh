@@ -11,7 +11,7 @@ namespace kmla::cuda {
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
 // KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1,
-// KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1.
+// KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1, KMLA_PREFILL_FP8_MMASUM=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -34,6 +34,10 @@ struct Fp8PrefillOptions {
   // P's e4m3 codes by cvt instructions (as before) instead of a multiply, an integer
   // multiply-add and byte permutes (e4m3x4_bits): conversions are slow on Hopper.
   bool cvt_pack = false;
+  // The row sums l on the tensor cores: with P.V's A fragments, one m64n8k32 wgmma per k-step
+  // against a B of ones (4 per tile, 1/16 of P.V's work each) instead of 64 fp32 adds per
+  // thread and tile; l then sums the rounded P that O sums. Ignored with q_regs (registers).
+  bool mma_rowsum = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
