@@ -157,7 +157,7 @@ __device__ __forceinline__ void wgmma_e4m3_rs_n8(float (&d)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 // A K-major operand without swizzle (8-row x 16-byte core matrices of 128 contiguous bytes, the
-// next along K 128 bytes on, the next along N 256): for the 256 bytes of ones.
+// next along K 128 bytes on, the next along N 256): for the block of ones.
 __device__ __forceinline__ uint64_t desc_plain(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
 }
@@ -425,7 +425,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
   __shared__ __align__(8) uint64_t vt_full[kStages], vt_empty[kStages];
-  __shared__ __align__(128) uint32_t ones_s[64];  // 256 e4m3 ones (0x38): mma_rowsum's B
+  // mma_rowsum's B: e4m3 ones (0x38). The descriptor reads bytes [0, 256) with its leading
+  // offset along K; 512 bytes cover the other reading of the two offsets too.
+  __shared__ __align__(128) uint32_t ones_s[128];
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
@@ -469,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_mbarrier_init();
   }
-  if (tid < 64) {
+  if (tid < 128) {
     ones_s[tid] = 0x38383838u;
     fence_proxy_async();  // read by wgmma (the async proxy) after the barrier
   }
