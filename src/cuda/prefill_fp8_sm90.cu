@@ -392,19 +392,21 @@ __device__ __forceinline__ void turn_pass() {
 // query block num_blocks - 1 - r, so the longest causal blocks start first (LPT) while the
 // CTAs in flight share the K/V of ~head_group heads in L2. head_group 0: head-major.
 //
-// Warpgroup 0, the producer (56 registers), one job per warp:
+// Warpgroup 0, the producer (72 registers), one job per warp:
 //   warp 0: Q once (TMA, 2 boxes), then K tiles (TMA nope + rope) into the K ring;
 //   warp 1: V tiles as stored (TMA, 1 box) into the raw V ring;
-//   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v).
+//   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v, ldmatrix/stmatrix).
 //   A box that would run past its sequence (the last Q block or key tile) is copied by the
 //   warp's 32 lanes with cp.async instead, zero-filling the missing rows.
-// Warpgroups 1 and 2, the consumers (224 registers): query rows 64 (w - 1) .. of the block.
-//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
-//   tiles that cross the diagonal or the sequence end, online softmax in base 2, P packed to
-//   e4m3 in registers, O += P V (4 wgmma with P from registers, V^T from smem). S of tile j
-//   is issued together with P.V of tile j - 1 and the softmax of tile j runs under that P.V;
-//   O's rescale for tile j runs under S of tile j + 1. With pingpong the two consumers also
-//   take turns issuing (named barriers 1, 2), so one's softmax overlaps the other's GEMMs.
+// Warpgroups 1 and 2, the consumers (216 registers): query rows 64 (w - 1) .. of the block.
+//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope; Q from smem
+//   or, with q_regs, from registers), mask on the tiles that cross the diagonal or the
+//   sequence end, online softmax in base 2 (lazy: the max moves only past a factor 2), P
+//   packed to e4m3 in registers (bit arithmetic, or cvt), O += P V (4 wgmma with P from
+//   registers, V^T from smem; with mma_rowsum also l += P 1). S of tile j is issued first,
+//   then O's rescale, then (once V^T of j - 1 is in) P.V of tile j - 1, under which the
+//   softmax of tile j runs. With pingpong the two consumers also take turns issuing (named
+//   barriers 1, 2), so one's softmax overlaps the other's GEMMs.
 //
 // mbarriers (phase parity of use u of a ring slot: u & 1):
 //   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
@@ -416,6 +418,8 @@ __device__ __forceinline__ void turn_pass() {
 // relative, 2^-6 absolute at |x| >= 16: an error in p of at most 2^-7 relative where p < 2^-8,
 // 2^-9.5 elsewhere, all under the e4m3 rounding of P that follows), P is packed from the f16
 // values, and l adds per tile the f16x2 sums of 16 values <= 256 (2^-11 relative per add).
+// The runtime options (lazy, q_regs, cvt_pack, mma_rowsum) are Fp8PrefillOptions'; q_regs and
+// mma_rowsum pick one of three copies of the consumers' main loop (main_loop).
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
