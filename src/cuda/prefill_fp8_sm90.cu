@@ -208,6 +208,21 @@ __device__ __forceinline__ uint32_t e4m3x4_f16_bits(uint32_t lo_pair, uint32_t h
   return __byte_perm(e4m3x2_f16_bytes13(lo_pair), e4m3x2_f16_bytes13(hi_pair), 0x7531);
 }
 
+// 2^x on the FMA and integer pipes instead of the MUFU (Fp8PrefillOptions::exp_poly, for a
+// quarter of the scores): x is clamped to >= -125, rounded to the nearest integer j by the
+// 1.5 * 2^23 trick (t = x + 1.5 * 2^23 holds j in its low bits), 2^(x - j) with x - j in
+// [-0.5, 0.5] by a cubic with constant term 1 (relative error 2^-11.1, far below P's e4m3
+// rounding; integer x gives exactly 2^x, so the exact tests stay exact), and j is added to the
+// exponent field by an integer multiply-add: 8 instructions that leave the MUFU pipe, which
+// both consumers' exponentials share, to the others.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -125.f);
+  const float t = x + 12582912.f;  // 1.5 * 2^23
+  const float f = x - (t - 12582912.f);
+  const float poly = fmaf(fmaf(fmaf(0.0551041f, f, 0.2407265f), f, 0.6930072f), f, 1.f);
+  return __uint_as_float(__float_as_uint(poly) + __float_as_uint(t) * 8388608u);  // + j << 23
+}
+
 // The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
 // half), 2^x of both by one MUFU op, their f16x2 sum, and four f16 values as e4m3 codes.
 __device__ __forceinline__ uint32_t f16x2_from(float a, float b) {
@@ -424,7 +439,8 @@ template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int blocks_per_head, int head_group, bool pingpong,
-                            bool lazy, bool q_regs, bool cvt_pack, bool mma_rowsum) {
+                            bool lazy, bool q_regs, bool cvt_pack, bool mma_rowsum,
+                            bool exp_poly) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
@@ -708,8 +724,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
-          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
+          const float x0 = fmaf(sc[4 * i + 2 * h], scale_log2, off8);
+          const float x1 = fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8);
+          if (exp_poly && (i & 3) == 3) {  // every fourth column block
+            sc[4 * i + 2 * h] = exp2_poly(x0);
+            sc[4 * i + 2 * h + 1] = exp2_poly(x1);
+          } else {
+            sc[4 * i + 2 * h] = fast_exp2(x0);
+            sc[4 * i + 2 * h + 1] = fast_exp2(x1);
+          }
           if constexpr (!kMmaSum) {
             part[(2 * i) & 3] += sc[4 * i + 2 * h];
             part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
@@ -901,7 +924,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong,
-      (void)lazy, (void)q_regs, (void)cvt_pack, (void)mma_rowsum;
+      (void)lazy, (void)q_regs, (void)cvt_pack, (void)mma_rowsum, (void)exp_poly;
 #endif
 }
 
@@ -1077,7 +1100,7 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
                                              opt.lazy_rescale, opt.q_regs,
-                                             opt.cvt_pack, opt.mma_rowsum);
+                                             opt.cvt_pack, opt.mma_rowsum, opt.exp_poly);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -11,7 +11,8 @@ namespace kmla::cuda {
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
 // KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1,
-// KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1, KMLA_PREFILL_FP8_MMASUM=0|1.
+// KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1, KMLA_PREFILL_FP8_MMASUM=0|1,
+// KMLA_PREFILL_FP8_EXPPOLY=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -38,6 +39,9 @@ struct Fp8PrefillOptions {
   // against a B of ones (4 per tile, 1/16 of P.V's work each) instead of 64 fp32 adds per
   // thread and tile; l then sums the rounded P that O sums. Ignored with q_regs (registers).
   bool mma_rowsum = false;
+  // A quarter of the exponentials by a cubic on the FMA pipe instead of the MUFU (fp32
+  // exponentials only; ignored with exp16).
+  bool exp_poly = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
