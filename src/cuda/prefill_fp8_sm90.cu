@@ -722,22 +722,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (!kMmaSum) sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
       } else {
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
+        // with_poly: every fourth column block by exp2_poly. One branch around the whole loop,
+        // so that the default path cannot end up with both versions predicated.
+        auto exps = [&](auto with_poly) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float x0 = fmaf(sc[4 * i + 2 * h], scale_log2, off8);
-          const float x1 = fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8);
-          if (exp_poly && (i & 3) == 3) {  // every fourth column block
-            sc[4 * i + 2 * h] = exp2_poly(x0);
-            sc[4 * i + 2 * h + 1] = exp2_poly(x1);
-          } else {
-            sc[4 * i + 2 * h] = fast_exp2(x0);
-            sc[4 * i + 2 * h + 1] = fast_exp2(x1);
+          for (int i = 0; i < 16; ++i) {
+            const float x0 = fmaf(sc[4 * i + 2 * h], scale_log2, off8);
+            const float x1 = fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8);
+            if (decltype(with_poly)::value && (i & 3) == 3) {
+              sc[4 * i + 2 * h] = exp2_poly(x0);
+              sc[4 * i + 2 * h + 1] = exp2_poly(x1);
+            } else {
+              sc[4 * i + 2 * h] = fast_exp2(x0);
+              sc[4 * i + 2 * h + 1] = fast_exp2(x1);
+            }
+            if constexpr (!kMmaSum) {
+              part[(2 * i) & 3] += sc[4 * i + 2 * h];
+              part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+            }
           }
-          if constexpr (!kMmaSum) {
-            part[(2 * i) & 3] += sc[4 * i + 2 * h];
-            part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
-          }
-        }
+        };
+        if (exp_poly)
+          exps(std::true_type{});
+        else
+          exps(std::false_type{});
         if constexpr (!kMmaSum) sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
       if constexpr (!kMmaSum) row_sum[h] = row_sum[h] * corr[h] + sum;
@@ -762,16 +770,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
   // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
   auto pack_p = [&] {
+    // One branch around each whole loop (not one per k-step), so that ptxas cannot predicate
+    // both packings into the default path.
     if constexpr (kExp16) {
+      if (cvt_pack) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t* q = ph + 8 * kk;
-        if (cvt_pack) {
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t* q = ph + 8 * kk;
           pa[kk][0] = e4m3x4_f16(q[0], q[2]);
           pa[kk][1] = e4m3x4_f16(q[1], q[3]);
           pa[kk][2] = e4m3x4_f16(q[4], q[6]);
           pa[kk][3] = e4m3x4_f16(q[5], q[7]);
-        } else {
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t* q = ph + 8 * kk;
           pa[kk][0] = e4m3x4_f16_bits(q[0], q[2]);
           pa[kk][1] = e4m3x4_f16_bits(q[1], q[3]);
           pa[kk][2] = e4m3x4_f16_bits(q[4], q[6]);
@@ -779,15 +793,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
+      if (cvt_pack) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const float* s = sc + 16 * kk;
-        if (cvt_pack) {
+        for (int kk = 0; kk < 4; ++kk) {
+          const float* s = sc + 16 * kk;
           pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
           pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
           pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
           pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
-        } else {
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const float* s = sc + 16 * kk;
           pa[kk][0] = e4m3x4_bits(s[0], s[1], s[4], s[5]);
           pa[kk][1] = e4m3x4_bits(s[2], s[3], s[6], s[7]);
           pa[kk][2] = e4m3x4_bits(s[8], s[9], s[12], s[13]);
