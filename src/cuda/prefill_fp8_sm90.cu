@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_fp8_sm90.cuh"
@@ -67,14 +66,13 @@ static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt
 // Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
 // the producer drops to 72 and the consumers rise to 216: 128 x 72 + 256 x 216 = 64512, the
 // registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
-// of 4 e4m3 codes: half of the 16-bit kernels' 32), with q_regs Q's fragments (24) and the
-// softmax state; ptxas fits it in 184 without Q's 24, so 216 leaves room. The producer's
-// ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
+// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state; ptxas fits it in 184
+// (0 spills). The producer's ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
 constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
 // Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
 // before O and l are rescaled to it.
 constexpr float kLazyMargin = 1.f;
-constexpr int kConsumerRegs = 216;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 - 1024);
 
 // TMA views of the inputs, each 3-D [rows][heads][width] (innermost first: width, heads,
@@ -136,32 +134,14 @@ __device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], uint64_t desc_a, u
 // a[0] = row g, k 4t..4t+3; a[1] = row g+8, same k; a[2], a[3] = the same rows, k + 16) B^T
 // (B: 128 x 32 e4m3, smem, K-major).
 __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
-                                              uint64_t desc_b, bool accumulate = true) {
+                                              uint64_t desc_b) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
       ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : KMLA_FP8_ACC64
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
-}
-
-// d (64 x 8 fp32) += A (64 x 32 e4m3 in registers, as above) B^T (B: 8 x 32 e4m3, smem): with
-// B all ones, every column of d gains the row sums of A (the mma_rowsum option).
-__device__ __forceinline__ void wgmma_e4m3_rs_n8(float (&d)[4], const uint32_t (&a)[4],
-                                                 uint64_t desc_b) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3},"
-      " {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
-// A K-major operand without swizzle (8-row x 16-byte core matrices of 128 contiguous bytes, the
-// next along K 128 bytes on, the next along N 256): for the block of ones.
-__device__ __forceinline__ uint64_t desc_plain(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
-}
-
 #undef KMLA_FP8_ACC64
 #undef KMLA_FP8_ACC8
 #undef KMLA_FP8_D64
@@ -176,51 +156,6 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
       : "=r"(r)
       : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
   return r;
-}
-
-// P's e4m3 codes without conversion instructions (the default; Fp8PrefillOptions::cvt_pack
-// keeps cvt): Hopper runs conversions at a quarter of the FP32 rate or less, and 32 of them per
-// thread and tile cost as much pipe time as half the exponentials. For 0 <= v <= 256 (P's
-// range), v * 2^-120 re-biases the fp32 exponent to e4m3's (127 -> 7): its bits 20..27 are
-// then the e4m3 code truncated, e4m3 subnormals included (v < 2^-6 gives an fp32 denormal
-// with the same bits; the multiply must not flush them, hence mul.rn without .ftz). Adding
-// half a code step (2^19) before taking those bits rounds half up, which differs from cvt's
-// round-to-even only on exact ties. (b + 2^19) * 16 moves the code to byte 3 (bits 28..31 of
-// b are 0 for v <= 256), and byte permutes gather four of them.
-__device__ __forceinline__ uint32_t e4m3_byte3(float v) {
-  float y;
-  asm("mul.rn.f32 %0, %1, 0f03800000;\n" : "=f"(y) : "f"(v));  // 2^-120
-  return __float_as_uint(y) * 16u + (1u << 23);
-}
-__device__ __forceinline__ uint32_t e4m3x4_bits(float b0, float b1, float b2, float b3) {
-  const uint32_t lo = __byte_perm(e4m3_byte3(b0), e4m3_byte3(b1), 0x0073);
-  const uint32_t hi = __byte_perm(e4m3_byte3(b2), e4m3_byte3(b3), 0x7300);
-  return __byte_perm(lo, hi, 0x7610);
-}
-// The same for f16x2 pairs (kExp16): v * 2^-8 re-biases f16's exponent (15 -> 7), the code is
-// in bits 7..14 of each half, + 2^6 rounds, * 2 moves the codes to bytes 1 and 3.
-__device__ __forceinline__ uint32_t e4m3x2_f16_bytes13(uint32_t pair) {
-  uint32_t y;
-  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(pair), "r"(0x1C001C00u));  // 2^-8, 2^-8
-  return y * 2u + 0x00800080u;
-}
-__device__ __forceinline__ uint32_t e4m3x4_f16_bits(uint32_t lo_pair, uint32_t hi_pair) {
-  return __byte_perm(e4m3x2_f16_bytes13(lo_pair), e4m3x2_f16_bytes13(hi_pair), 0x7531);
-}
-
-// 2^x on the FMA and integer pipes instead of the MUFU (Fp8PrefillOptions::exp_poly, for a
-// quarter of the scores): x is clamped to >= -125, rounded to the nearest integer j by the
-// 1.5 * 2^23 trick (t = x + 1.5 * 2^23 holds j in its low bits), 2^(x - j) with x - j in
-// [-0.5, 0.5] by a cubic with constant term 1 (relative error 2^-11.1, far below P's e4m3
-// rounding; integer x gives exactly 2^x, so the exact tests stay exact), and j is added to the
-// exponent field by an integer multiply-add: 8 instructions that leave the MUFU pipe, which
-// both consumers' exponentials share, to the others.
-__device__ __forceinline__ float exp2_poly(float x) {
-  x = fmaxf(x, -125.f);
-  const float t = x + 12582912.f;  // 1.5 * 2^23
-  const float f = x - (t - 12582912.f);
-  const float poly = fmaf(fmaf(fmaf(0.0551041f, f, 0.2407265f), f, 0.6930072f), f, 1.f);
-  return __uint_as_float(__float_as_uint(poly) + __float_as_uint(t) * 8388608u);  // + j << 23
 }
 
 // The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
@@ -289,30 +224,6 @@ __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* sr
     cp_async16(panel + r * 64 + ((c ^ ((r >> 1) & 3)) << 4), ok ? src + r * row_stride + 16 * c : src,
                ok);
   }
-}
-
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-
-// This thread's A fragments of Q for S = Q K^T from registers (Fp8PrefillOptions::q_regs):
-// rows r0 = warpgroup row 16 w + g and r0 + 8 of the CTA block, the 6 k-steps of 32 dims
-// (4 in the SW128 nope panel, 2 in the SW64 rope panel), each as the 8-bit A fragment
-// (wgmma_e4m3_rs): dims 4t..4t+3 and 16 + 4t..16 + 4t + 3 of the k-step. 24 registers, read
-// once per CTA with 32-bit loads.
-__device__ __forceinline__ void load_q_frags(uint32_t (&qa)[6][4], uint32_t q_nope,
-                                             uint32_t q_rope, int r0, int t) {
-#pragma unroll
-  for (int kk = 0; kk < 6; ++kk)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = r0 + 8 * (e & 1), byte = 32 * (kk & 3) + 16 * (e >> 1) + 4 * t;
-      qa[kk][e] = kk < 4 ? lds32(q_nope + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15))
-                         : lds32(q_rope + r * 64 + (((byte >> 4) ^ ((r >> 1) & 3)) << 4) +
-                                 (byte & 15));
-    }
 }
 
 // V tile [128 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][128 key slots] (SW128),
@@ -414,14 +325,13 @@ __device__ __forceinline__ void turn_pass() {
 //   A box that would run past its sequence (the last Q block or key tile) is copied by the
 //   warp's 32 lanes with cp.async instead, zero-filling the missing rows.
 // Warpgroups 1 and 2, the consumers (216 registers): query rows 64 (w - 1) .. of the block.
-//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope; Q from smem
-//   or, with q_regs, from registers), mask on the tiles that cross the diagonal or the
-//   sequence end, online softmax in base 2 (lazy: the max moves only past a factor 2), P
-//   packed to e4m3 in registers (bit arithmetic, or cvt), O += P V (4 wgmma with P from
-//   registers, V^T from smem; with mma_rowsum also l += P 1). S of tile j is issued first,
-//   then O's rescale, then (once V^T of j - 1 is in) P.V of tile j - 1, under which the
-//   softmax of tile j runs. With pingpong the two consumers also take turns issuing (named
-//   barriers 1, 2), so one's softmax overlaps the other's GEMMs.
+//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
+//   tiles that cross the diagonal or the sequence end, online softmax in base 2 (lazy: the
+//   max moves only past a factor 2), P packed to e4m3 in registers, O += P V (4 wgmma with P
+//   from registers, V^T from smem). S of tile j is issued first, then O's rescale, then (once
+//   V^T of j - 1 is in) P.V of tile j - 1, under which the softmax of tile j runs. With
+//   pingpong the two consumers also take turns issuing (named barriers 1, 2), so one's softmax
+//   overlaps the other's GEMMs.
 //
 // mbarriers (phase parity of use u of a ring slot: u & 1):
 //   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
@@ -433,21 +343,14 @@ __device__ __forceinline__ void turn_pass() {
 // relative, 2^-6 absolute at |x| >= 16: an error in p of at most 2^-7 relative where p < 2^-8,
 // 2^-9.5 elsewhere, all under the e4m3 rounding of P that follows), P is packed from the f16
 // values, and l adds per tile the f16x2 sums of 16 values <= 256 (2^-11 relative per add).
-// The runtime options (lazy, q_regs, cvt_pack, mma_rowsum) are Fp8PrefillOptions'; q_regs and
-// mma_rowsum pick one of three copies of the consumers' main loop (main_loop).
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
-                            int blocks_per_head, int head_group, bool pingpong,
-                            bool lazy, bool q_regs, bool cvt_pack, bool mma_rowsum,
-                            bool exp_poly) {
+                            int blocks_per_head, int head_group, bool pingpong, bool lazy) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
   __shared__ __align__(8) uint64_t vt_full[kStages], vt_empty[kStages];
-  // mma_rowsum's B: e4m3 ones (0x38). The descriptor reads bytes [0, 256) with its leading
-  // offset along K; 512 bytes cover the other reading of the two offsets too.
-  __shared__ __align__(128) uint32_t ones_s[128];
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
@@ -490,10 +393,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&vt_empty[s], 8);
     }
     sm90::fence_mbarrier_init();
-  }
-  if (tid < 128) {
-    ones_s[tid] = 0x38383838u;
-    fence_proxy_async();  // read by wgmma (the async proxy) after the barrier
   }
   __syncthreads();
 
@@ -625,51 +524,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sc[64];
   uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
   uint32_t pa[4][4];
-  uint32_t qa[6][4];  // q_regs: this thread's Q fragments (load_q_frags)
   float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
   float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
-  // mma_rowsum: l of rows g, g + 8 from the tensor cores (m64n8: cols 2t, 2t + 1 per row).
-  float lacc[4] = {0.f, 0.f, 0.f, 0.f};
-  const uint32_t ones_u32 = smem_u32(ones_s);
   float corr[2] = {1.f, 1.f};
 
-  // kQRegs (std::bool_constant): Q from registers. A compile-time choice inside the kernel: with
-  // a runtime branch between the issues ptxas adds warpgroup fences to both paths (C7519).
-  auto issue_s = [&](int j, auto q_from_regs) {
-    constexpr bool kQRegs = decltype(q_from_regs)::value;
+  auto issue_s = [&](int j) {
     const uint32_t st = stage(j);
-    if constexpr (kQRegs) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_e4m3_rs(sc, qa[kk], desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
+                    kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        wgmma_e4m3_rs(sc, qa[4 + kk], desc_sw64(st + kKRopeOff + 32 * kk), true);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
-                      kk > 0);
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk),
-                      true);
-    }
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
     wgmma_commit();
   };
-  auto issue_pv = [&](int j, auto mma_sum) {
+  auto issue_pv = [&](int j) {
     const uint32_t vt = stage(j) + kVtOff;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
-      if constexpr (decltype(mma_sum)::value) wgmma_e4m3_rs_n8(lacc, pa[kk], desc_plain(ones_u32));
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
     wgmma_commit();
   };
   // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
   // exponent). Returns whether some row of the warp moved its max (O then needs corr).
-  auto softmax = [&](int j, auto mma_sum) {
-    constexpr bool kMmaSum = decltype(mma_sum)::value;
+  auto softmax = [&](int j) {
     const int key0 = j * kBlockN;
     if (key0 + kBlockN > min_visible) {
 #pragma unroll
@@ -717,42 +595,25 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
                                                   fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
           ph[2 * i + h] = e;
-          if constexpr (!kMmaSum) sum2[i & 1] = add_f16x2(sum2[i & 1], e);
+          sum2[i & 1] = add_f16x2(sum2[i & 1], e);
         }
-        if constexpr (!kMmaSum) sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
+        sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
       } else {
         float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
-        // with_poly: every fourth column block by exp2_poly. One branch around the whole loop,
-        // so that the default path cannot end up with both versions predicated.
-        auto exps = [&](auto with_poly) {
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const float x0 = fmaf(sc[4 * i + 2 * h], scale_log2, off8);
-            const float x1 = fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8);
-            if (decltype(with_poly)::value && (i & 3) == 3) {
-              sc[4 * i + 2 * h] = exp2_poly(x0);
-              sc[4 * i + 2 * h + 1] = exp2_poly(x1);
-            } else {
-              sc[4 * i + 2 * h] = fast_exp2(x0);
-              sc[4 * i + 2 * h + 1] = fast_exp2(x1);
-            }
-            if constexpr (!kMmaSum) {
-              part[(2 * i) & 3] += sc[4 * i + 2 * h];
-              part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
-            }
-          }
-        };
-        if (exp_poly)
-          exps(std::true_type{});
-        else
-          exps(std::false_type{});
-        if constexpr (!kMmaSum) sum = (part[0] + part[1]) + (part[2] + part[3]);
+        for (int i = 0; i < 16; ++i) {
+          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
+          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
+          part[(2 * i) & 3] += sc[4 * i + 2 * h];
+          part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+        }
+        sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
-      if constexpr (!kMmaSum) row_sum[h] = row_sum[h] * corr[h] + sum;
+      row_sum[h] = row_sum[h] * corr[h] + sum;
     }
     return __any_sync(0xffffffffu, moved);
   };
-  auto rescale_o = [&](auto mma_sum) {
+  auto rescale_o = [&] {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       o[4 * i + 0] *= corr[0];
@@ -760,57 +621,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       o[4 * i + 2] *= corr[1];
       o[4 * i + 3] *= corr[1];
     }
-    if constexpr (decltype(mma_sum)::value) {
-      lacc[0] *= corr[0];
-      lacc[1] *= corr[0];
-      lacc[2] *= corr[1];
-      lacc[3] *= corr[1];
-    }
   };
   // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
   // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
   auto pack_p = [&] {
-    // One branch around each whole loop (not one per k-step), so that ptxas cannot predicate
-    // both packings into the default path.
     if constexpr (kExp16) {
-      if (cvt_pack) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint32_t* q = ph + 8 * kk;
-          pa[kk][0] = e4m3x4_f16(q[0], q[2]);
-          pa[kk][1] = e4m3x4_f16(q[1], q[3]);
-          pa[kk][2] = e4m3x4_f16(q[4], q[6]);
-          pa[kk][3] = e4m3x4_f16(q[5], q[7]);
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint32_t* q = ph + 8 * kk;
-          pa[kk][0] = e4m3x4_f16_bits(q[0], q[2]);
-          pa[kk][1] = e4m3x4_f16_bits(q[1], q[3]);
-          pa[kk][2] = e4m3x4_f16_bits(q[4], q[6]);
-          pa[kk][3] = e4m3x4_f16_bits(q[5], q[7]);
-        }
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t* q = ph + 8 * kk;
+        pa[kk][0] = e4m3x4_f16(q[0], q[2]);
+        pa[kk][1] = e4m3x4_f16(q[1], q[3]);
+        pa[kk][2] = e4m3x4_f16(q[4], q[6]);
+        pa[kk][3] = e4m3x4_f16(q[5], q[7]);
       }
     } else {
-      if (cvt_pack) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const float* s = sc + 16 * kk;
-          pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
-          pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
-          pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
-          pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const float* s = sc + 16 * kk;
-          pa[kk][0] = e4m3x4_bits(s[0], s[1], s[4], s[5]);
-          pa[kk][1] = e4m3x4_bits(s[2], s[3], s[6], s[7]);
-          pa[kk][2] = e4m3x4_bits(s[8], s[9], s[12], s[13]);
-          pa[kk][3] = e4m3x4_bits(s[10], s[11], s[14], s[15]);
-        }
+      for (int kk = 0; kk < 4; ++kk) {
+        const float* s = sc + 16 * kk;
+        pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+        pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+        pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+        pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
       }
     }
   };
@@ -838,75 +669,55 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (cw == 1 && turns > 0) turn_pass<1>();
 
-  // The main loop, once per choice of q_regs and mma_rowsum.
-  auto main_loop = [&](auto q_from_regs, auto mma_sum) {
+  if (my_tiles > 0) {
     mbar_wait(&q_full, 0);
-    if constexpr (decltype(q_from_regs)::value)
-      load_q_frags(qa, q_nope_s, q_rope_s, 64 * cw + 16 * warp + g, t);
     mbar_wait(&k_full[0], 0);
     slot_begin(0);
     wgmma_fence();
-    issue_s(0, q_from_regs);
+    issue_s(0);
     slot_end(0);
     wgmma_wait<0>();
     fence_regs(sc);
     release(&k_empty[0]);
-    softmax(0, mma_sum);  // O is still zero: no rescale owed
+    softmax(0);  // O is still zero: no rescale owed
     pack_p();
     bool owe = false;  // O still needs corr of the last softmax
     for (int j = 1; j < my_tiles; ++j) {
       const int s = j % kStages, sp = (j - 1) % kStages;
       mbar_wait(&k_full[s], use_parity(j));
       fence_regs(o);
-      fence_regs(lacc);
       slot_begin(j);
       wgmma_fence();
-      issue_s(j, q_from_regs);
+      issue_s(j);
       fence_regs(o);  // the multiplies below come after the S issue
-      fence_regs(lacc);
-      if (owe) rescale_o(mma_sum);
+      if (owe) rescale_o();
       fence_regs(o);
-      fence_regs(lacc);
       // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
       mbar_wait(&vt_full[sp], use_parity(j - 1));
       wgmma_fence();
-      issue_pv(j - 1, mma_sum);
+      issue_pv(j - 1);
       slot_end(j);
       wgmma_wait<1>();  // S(j) done (groups retire in order)
       fence_regs(sc);
       release(&k_empty[s]);
-      owe = softmax(j, mma_sum);
+      owe = softmax(j);
       wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
       fence_regs(o);
-      fence_regs(lacc);
       release(&vt_empty[sp]);
       pack_p();
     }
     const int last = my_tiles - 1;
     mbar_wait(&vt_full[last % kStages], use_parity(last));
     fence_regs(o);
-    fence_regs(lacc);
     slot_begin(my_tiles);
-    if (owe) rescale_o(mma_sum);
+    if (owe) rescale_o();
     fence_regs(o);
-    fence_regs(lacc);
     wgmma_fence();
-    issue_pv(last, mma_sum);
+    issue_pv(last);
     slot_end(my_tiles);
     wgmma_wait<0>();
     fence_regs(o);
-    fence_regs(lacc);
     release(&vt_empty[last % kStages]);
-  };
-  if (my_tiles > 0) {
-    // Not both: with Q's 24 and l's 4 registers ptxas serialised every wgmma of the kernel
-    // (C7511, too few registers for the wgmma pipeline). q_regs wins if both are set.
-    if (q_regs)
-      main_loop(std::true_type{}, std::false_type{});
-    else if (mma_rowsum)
-      main_loop(std::false_type{}, std::true_type{});
-    else
-      main_loop(std::false_type{}, std::false_type{});
   }
   // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
   for (int j = my_tiles; j < num_tiles; ++j) {
@@ -926,7 +737,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     float l = row_sum[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (mma_rowsum && !q_regs) l = lacc[2 * h];  // every column holds the row's sum
     if (row >= n) continue;
     const bool any = l > 0.f;
     const float f = any ? v_scale / l : 0.f;
@@ -941,8 +751,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong,
-      (void)lazy, (void)q_regs, (void)cvt_pack, (void)mma_rowsum, (void)exp_poly;
+  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)lazy;
 #endif
 }
 
@@ -955,8 +764,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
                                                                 const uint8_t* v, float* s_out,
-                                                                float* o_out,
-                                                                bool q_regs) {
+                                                                float* o_out) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -980,32 +788,17 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   __syncthreads();
 
   float sc[64];
-  const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
-  if (q_regs) {
-    uint32_t qa[6][4];
-    load_q_frags(qa, q_nope_s, q_rope_s, r, t);
-    wgmma_fence();
+  wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_e4m3_rs(sc, qa[kk], desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_e4m3_ss(sc, desc_sw128(q_nope_s + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk), kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      wgmma_e4m3_rs(sc, qa[4 + kk], desc_sw64(st + kKRopeOff + 32 * kk), true);
-    wgmma_commit();
-    wgmma_wait<0>();
-  } else {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw128(q_nope_s + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
-                    kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw64(q_rope_s + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
-    wgmma_commit();
-    wgmma_wait<0>();
-  }
+  for (int kk = 0; kk < 2; ++kk)
+    wgmma_e4m3_ss(sc, desc_sw64(q_rope_s + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
+  wgmma_commit();
+  wgmma_wait<0>();
   fence_regs(sc);
+  const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -1034,7 +827,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)q_regs;
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out;
 #endif
 }
 
@@ -1117,20 +910,19 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.lazy_rescale, opt.q_regs,
-                                             opt.cvt_pack, opt.mma_rowsum, opt.exp_poly);
+                                             opt.lazy_rescale);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool q_regs, cudaStream_t stream) {
+                       cudaStream_t stream) {
   constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
   KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
   prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
       static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
-      static_cast<const uint8_t*>(v), s_out, o_out, q_regs);
+      static_cast<const uint8_t*>(v), s_out, o_out);
   KMLA_LAUNCH_CHECK();
 }
 

@@ -10,9 +10,7 @@ namespace kmla::cuda {
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
-// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1,
-// KMLA_PREFILL_FP8_QREGS=0|1, KMLA_PREFILL_FP8_CVT=0|1, KMLA_PREFILL_FP8_MMASUM=0|1,
-// KMLA_PREFILL_FP8_EXPPOLY=0|1.
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -28,20 +26,6 @@ struct Fp8PrefillOptions {
   // stored as 128 p with p <= 2 against the stale max, still <= 256 as e4m3. Skips the 64
   // multiplies and most of the rescale decisions on nearly every tile past the first few.
   bool lazy_rescale = true;
-  // S = Q K^T with Q's A fragments in registers (24 per consumer thread, loaded once) instead
-  // of read from shared memory by every S wgmma: 24 KiB less shared-memory traffic per
-  // consumer and tile (a seventh of the whole).
-  bool q_regs = false;
-  // P's e4m3 codes by cvt instructions (as before) instead of a multiply, an integer
-  // multiply-add and byte permutes (e4m3x4_bits): conversions are slow on Hopper.
-  bool cvt_pack = false;
-  // The row sums l on the tensor cores: with P.V's A fragments, one m64n8k32 wgmma per k-step
-  // against a B of ones (4 per tile, 1/16 of P.V's work each) instead of 64 fp32 adds per
-  // thread and tile; l then sums the rounded P that O sums. Ignored with q_regs (registers).
-  bool mma_rowsum = false;
-  // A quarter of the exponentials by a cubic on the FMA pipe instead of the MUFU (fp32
-  // exponentials only; ignored with exp16).
-  bool exp_poly = false;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this
@@ -60,8 +44,8 @@ void prefill_attention_fp8(const PrefillParams& p, cudaStream_t stream,
 // Building-block probe for tests (one CTA, no pipeline; needs an sm_90 GPU): q [64, 192],
 // k [128, 192], v [128, 128] dense e4m3 rows (device); writes s_out = q k^T [64, 128] and
 // o_out = e4m3(s_out) v [64, 128], fp32, computed by the kernel's smem layouts, descriptors,
-// V transpose, Q from shared memory or from registers (q_regs) and P fragment packing.
+// V transpose and P fragment packing.
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool q_regs, cudaStream_t stream);
+                       cudaStream_t stream);
 
 }  // namespace kmla::cuda
