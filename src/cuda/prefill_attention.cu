@@ -589,14 +589,13 @@ const Sm90Options& sm90_options_from_env() {
 
 // The fp8 kernel's variant for prefill_attention (read once per process):
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N (0..128),
-// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LDSM=0|1,
-// KMLA_PREFILL_FP8_LAZY=0|1. Unset: the defaults.
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1. Unset:
+// the defaults.
 const Fp8PrefillOptions& fp8_options_from_env() {
   static const Fp8PrefillOptions opt = [] {
     Fp8PrefillOptions o;
     o.pingpong = env_switch("KMLA_PREFILL_FP8_PINGPONG", o.pingpong);
     o.exp16 = env_switch("KMLA_PREFILL_FP8_EXP16", o.exp16);
-    o.ldsm_transpose = env_switch("KMLA_PREFILL_FP8_LDSM", o.ldsm_transpose);
     o.lazy_rescale = env_switch("KMLA_PREFILL_FP8_LAZY", o.lazy_rescale);
     if (const char* st = std::getenv("KMLA_PREFILL_FP8_STAGES"); st != nullptr && *st != '\0') {
       KMLA_CHECK(std::strcmp(st, "2") == 0 || std::strcmp(st, "3") == 0,

@@ -64,15 +64,15 @@ static_assert(kKRopeOff % 1024 == 0 && kVRawOff % 1024 == 0 && kVtOff % 1024 == 
 static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt-in");
 
 // Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
-// the producer drops to 56 and the consumers rise to 224: 128 x 56 + 256 x 224 = 64512, the
+// the producer drops to 72 and the consumers rise to 216: 128 x 72 + 256 x 216 = 64512, the
 // registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
-// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state. The producer's V
-// transposers hold 4 loaded words, 4 halfway and 4 transposed per 4x4 block.
+// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state; ptxas fits it in 184
+// (0 spills). The producer's ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
 constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
 // Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
 // before O and l are rescaled to it.
 constexpr float kLazyMargin = 1.f;
-constexpr int kConsumerRegs = 216;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 - 1024);
 
 // TMA views of the inputs, each 3-D [rows][heads][width] (innermost first: width, heads,
@@ -226,60 +226,18 @@ __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* sr
   }
 }
 
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-
 // V tile [128 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][128 key slots] (SW128),
 // by one of the two transposer warps (tw = 0, 1). The key slots are relabelled so that P's
 // accumulator registers are the A fragment as they stand: within each 32-key k-step, slot
 // 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for the second
 // 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are keys
-// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2): a thread loads that word's 4
-// key rows at 4 dims (one 32-bit load each), transposes the 4x4 bytes with byte permutes and
-// stores 4 words, one per dim row.
-// Lanes: t = lane & 3, a = lane >> 2; dim group c = a + 8 cc (dims 4c..4c+3), word group
-// w >> 2 = wq ^ (a >> 1). Loads: the bank is chunk ((c >> 2) ^ (2t + (i & 1))), word c & 3,
-// distinct over the 32 lanes. Stores: chunk ((w >> 2) ^ (4 (a & 1) + b)), word t, distinct
-// too, thanks to the XOR of the word group with a >> 1. So no bank conflicts either way.
-// Per thread and tile: 16 blocks of 4 loads, 8 permutes, 4 stores.
-__device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
-  const int t = lane & 3, a = lane >> 2;
-#pragma unroll 2
-  for (int blk = 0; blk < 16; ++blk) {
-    const int c = a + 8 * (2 * tw + (blk >> 3));
-    const int wq = (blk & 7) ^ (a >> 1);  // word group = 16-key half of a k-step
-    const int key0 = 16 * wq + 2 * t;
-    uint32_t x[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = key0 + (i & 1) + 8 * (i >> 1);
-      x[i] = lds32(vraw + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4);
-    }
-    const uint32_t lo01 = __byte_perm(x[0], x[1], 0x5140), hi01 = __byte_perm(x[0], x[1], 0x7362);
-    const uint32_t lo23 = __byte_perm(x[2], x[3], 0x5140), hi23 = __byte_perm(x[2], x[3], 0x7362);
-    const uint32_t y[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-    const int w = 4 * wq + t;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int d = 4 * c + b;
-      sts32(vt + d * 128 + (((w >> 2) ^ (d & 7)) << 4) + (w & 3) * 4, y[b]);
-    }
-  }
-}
-
-// The same transpose with ldmatrix.trans / stmatrix (the default; transpose_v above is the
-// KMLA_PREFILL_FP8_LDSM=0 variant): a quarter of the shared-memory instructions (one x4
-// instruction moves 512 bytes, where an LDS.32 moves 128) and four loads in flight per thread
-// instead of one block's, so the transposers' throughput no longer hangs on shared-memory
-// latency. Warp tw takes dims 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys:
-// 16 instructions of each kind per thread and tile, 64 byte permutes.
+// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2).
+// With ldmatrix.trans / stmatrix one x4 instruction moves 512 bytes (a 32-bit access 128),
+// and the 16 loads of a thread go out in two batches of 8. (The first version, 32-bit loads,
+// byte permutes and 32-bit stores in 16 dependent rounds per tile, was the kernel's wall:
+// 1.01x the bf16 time against 0.79x with this one, H200 8k x 64 heads.) Warp tw takes dims
+// 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys: 16 instructions of each
+// kind per thread and tile, 64 byte permutes.
 //   Load n (word group wq = n >> 1, chunks c0 = 4 tw + 2 (n & 1), c0 + 1): four 8x8 b16
 //   matrices, keys 16 wq + {0..7, 8..15} of chunk c0, then the same of chunk c0 + 1 (lane l
 //   gives row l & 7 of matrix l >> 3). With .trans, lane (p = l >> 2, t = l & 3) receives of
@@ -305,7 +263,7 @@ __device__ __forceinline__ void stsm4(uint32_t addr, uint32_t a, uint32_t b, uin
                : "memory");
 }
 constexpr int kLdsmBatch = 8;
-__device__ __forceinline__ void transpose_v_ldsm(uint32_t vraw, uint32_t vt, int tw, int lane) {
+__device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
   const int q = lane & 7, m = lane >> 3, p = lane >> 2;
   // This lane's load row: key 16 wq + 8 (m & 1) + q of chunk c0 + (m >> 1); key & 7 = q.
   uint32_t ld[2];
@@ -360,19 +318,20 @@ __device__ __forceinline__ void turn_pass() {
 // query block num_blocks - 1 - r, so the longest causal blocks start first (LPT) while the
 // CTAs in flight share the K/V of ~head_group heads in L2. head_group 0: head-major.
 //
-// Warpgroup 0, the producer (56 registers), one job per warp:
+// Warpgroup 0, the producer (72 registers), one job per warp:
 //   warp 0: Q once (TMA, 2 boxes), then K tiles (TMA nope + rope) into the K ring;
 //   warp 1: V tiles as stored (TMA, 1 box) into the raw V ring;
-//   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v).
+//   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v, ldmatrix/stmatrix).
 //   A box that would run past its sequence (the last Q block or key tile) is copied by the
 //   warp's 32 lanes with cp.async instead, zero-filling the missing rows.
-// Warpgroups 1 and 2, the consumers (224 registers): query rows 64 (w - 1) .. of the block.
+// Warpgroups 1 and 2, the consumers (216 registers): query rows 64 (w - 1) .. of the block.
 //   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
-//   tiles that cross the diagonal or the sequence end, online softmax in base 2, P packed to
-//   e4m3 in registers, O += P V (4 wgmma with P from registers, V^T from smem). S of tile j
-//   is issued together with P.V of tile j - 1 and the softmax of tile j runs under that P.V;
-//   O's rescale for tile j runs under S of tile j + 1. With pingpong the two consumers also
-//   take turns issuing (named barriers 1, 2), so one's softmax overlaps the other's GEMMs.
+//   tiles that cross the diagonal or the sequence end, online softmax in base 2 (lazy: the
+//   max moves only past a factor 2), P packed to e4m3 in registers, O += P V (4 wgmma with P
+//   from registers, V^T from smem). S of tile j is issued first, then O's rescale, then (once
+//   V^T of j - 1 is in) P.V of tile j - 1, under which the softmax of tile j runs. With
+//   pingpong the two consumers also take turns issuing (named barriers 1, 2), so one's softmax
+//   overlaps the other's GEMMs.
 //
 // mbarriers (phase parity of use u of a ring slot: u & 1):
 //   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
@@ -387,8 +346,7 @@ __device__ __forceinline__ void turn_pass() {
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
-                            int blocks_per_head, int head_group, bool pingpong, bool ldsm,
-                            bool lazy) {
+                            int blocks_per_head, int head_group, bool pingpong, bool lazy) {
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
@@ -521,10 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = stage(j);
         mbar_wait(&vr_full[s], use_parity(j));
         if (j >= kStages) mbar_wait(&vt_empty[s], use_parity(j) ^ 1u);
-        if (ldsm)
-          transpose_v_ldsm(st + kVRawOff, st + kVtOff, tw, lane);
-        else
-          transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
+        transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
         // Every load has returned (the stores used them): the raw slot may be refilled. And
         // the stores go to the async proxy (wgmma) through this thread's fence.
         fence_proxy_async();
@@ -796,8 +751,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
   }
 #else
-  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)ldsm,
-      (void)lazy;
+  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)lazy;
 #endif
 }
 
@@ -810,7 +764,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
                                                                 const uint8_t* v, float* s_out,
-                                                                float* o_out, bool ldsm) {
+                                                                float* o_out) {
 #if KMLA_SM90A
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -828,10 +782,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   cp_async_commit_wait_all();
   __syncthreads();
   if (warp < 2) {
-    if (ldsm)
-      transpose_v_ldsm(st + kVRawOff, st + kVtOff, warp, lane);
-    else
-      transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
+    transpose_v(st + kVRawOff, st + kVtOff, warp, lane);
   }
   fence_proxy_async();
   __syncthreads();
@@ -876,7 +827,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) o_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = o[4 * i + e];
 #else
-  (void)q, (void)k, (void)v, (void)s_out, (void)o_out, (void)ldsm;
+  (void)q, (void)k, (void)v, (void)s_out, (void)o_out;
 #endif
 }
 
@@ -959,19 +910,19 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.ldsm_transpose, opt.lazy_rescale);
+                                             opt.lazy_rescale);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool ldsm_transpose, cudaStream_t stream) {
+                       cudaStream_t stream) {
   constexpr int kProbeSmem = kQBytes + kStageBytes + 1024;
   KMLA_CUDA_CHECK(cudaFuncSetAttribute(prefill_fp8_probe_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kProbeSmem));
   prefill_fp8_probe_kernel<<<1, 128, kProbeSmem, stream>>>(
       static_cast<const uint8_t*>(q), static_cast<const uint8_t*>(k),
-      static_cast<const uint8_t*>(v), s_out, o_out, ldsm_transpose);
+      static_cast<const uint8_t*>(v), s_out, o_out);
   KMLA_LAUNCH_CHECK();
 }
 

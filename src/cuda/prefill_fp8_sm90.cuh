@@ -10,8 +10,7 @@ namespace kmla::cuda {
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
-// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LDSM=0|1,
-// KMLA_PREFILL_FP8_LAZY=0|1.
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1.
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -23,9 +22,6 @@ struct Fp8PrefillOptions {
   int stages = 2;
   // The softmax's exponentials in f16x2 (half the MUFU work; P is rounded to e4m3 anyway).
   bool exp16 = false;
-  // The producer's V transpose with ldmatrix.trans / stmatrix (512 bytes per instruction)
-  // instead of 32-bit shared loads and stores (128 bytes).
-  bool ldsm_transpose = true;
   // Rescale O only when a row's max rose by more than a factor 2 (base-2 units 1): P is then
   // stored as 128 p with p <= 2 against the stale max, still <= 256 as e4m3. Skips the 64
   // multiplies and most of the rescale decisions on nearly every tile past the first few.
@@ -48,8 +44,8 @@ void prefill_attention_fp8(const PrefillParams& p, cudaStream_t stream,
 // Building-block probe for tests (one CTA, no pipeline; needs an sm_90 GPU): q [64, 192],
 // k [128, 192], v [128, 128] dense e4m3 rows (device); writes s_out = q k^T [64, 128] and
 // o_out = e4m3(s_out) v [64, 128], fp32, computed by the kernel's smem layouts, descriptors,
-// V transpose (ldmatrix / stmatrix or 32-bit, as the kernel's option) and P fragment packing.
+// V transpose and P fragment packing.
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
-                       bool ldsm_transpose, cudaStream_t stream);
+                       cudaStream_t stream);
 
 }  // namespace kmla::cuda
