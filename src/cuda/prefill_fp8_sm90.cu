@@ -72,7 +72,7 @@ constexpr int kProducerRegs = 72;
 constexpr int kConsumerRegs = 216;
 // Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
 // before O and l are rescaled to it.
-constexpr float kLazyMargin = 1.f;
+[[maybe_unused]] constexpr float kLazyMargin = 1.f;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 - 1024);
 
 // TMA views of the inputs, each 3-D [rows][heads][width] (innermost first: width, heads,
