@@ -1403,8 +1403,13 @@ struct RowPartials {
   }
 };
 
+// Waits for the split grid first (a no-op unless launched as its programmatic dependent): the
+// pair table and the partials are its output.
 __device__ __forceinline__ RowPartials row_partials(const DecodeArgs& a, int64_t item, int r,
                                                     int row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   RowPartials p{item, row, a.num_splits, 0};
   if (a.balanced) {
     const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
@@ -1426,11 +1431,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (item >= int64_t(a.num_requests) * a.max_rows) return;
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
-  // (The batch's lengths are inputs, never written by the split kernel: read before the
-  // wait, so under PDL their latency overlaps the split kernel's tail.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
-#endif
+  // (Inputs, never written by the split kernel: read before row_partials waits for it, so
+  // under PDL their latency overlaps the split kernel's tail.)
   const RowPartials rp = row_partials(a, item, r, row);
   const int S = rp.S;
   if (a.balanced && S <= 1) return;
@@ -1559,11 +1561,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int r = int(item / a.max_rows), row = int(item % a.max_rows);
   if (row >= a.query_lens[r] * a.heads) return;
   const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
-  // (Inputs, never written by the split kernel: read before the wait, so under PDL their
-  // latency overlaps the split kernel's tail.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the split kernel's partials
-#endif
+  // (Inputs, never written by the split kernel: read before row_partials waits for it, so
+  // under PDL their latency overlaps the split kernel's tail.)
   const RowPartials rp = row_partials(a, item, r, row);
   const int S = rp.S;
   if (a.balanced && S <= 1) return;

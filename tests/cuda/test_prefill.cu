@@ -22,6 +22,7 @@
 #include "cuda/attention.cuh"
 #include "cuda/gpu.hpp"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/prefill_layout.hpp"
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
 
@@ -43,15 +44,7 @@ uint16_t act_code(float x, DType act) {
 }
 uint16_t act_nan(DType act) { return act == DType::bf16 ? 0x7fc0 : 0x7e00; }
 
-// One [rows, heads, width] operand inside a host buffer of 16-bit codes.
-struct HostOperand {
-  std::vector<uint16_t>* buf;
-  int64_t offset, row_stride, head_stride;
-  int width;
-  int64_t at(int64_t t, int h, int d) const {
-    return offset + t * row_stride + int64_t(h) * head_stride + d;
-  }
-};
+using HostOperand = test::PrefillOperand<uint16_t>;
 
 // Fills rows [0, rows) of `o` with act-rounded N(0, gain^2) values (a shared operand,
 // head_stride 0, is filled once).
@@ -131,38 +124,14 @@ void run_case(const Case& c) {
   const int H = c.heads;
   const std::vector<int>& k_lens = c.k_lens.empty() ? c.q_lens : c.k_lens;
   ASSERT_EQ(k_lens.size(), c.q_lens.size());
-  const int num_seqs = int(c.q_lens.size());
   const std::vector<int32_t> cu_q = seq_offsets(c.q_lens), cu_k = seq_offsets(k_lens);
   const int64_t Tq = cu_q.back(), Tk = cu_k.back();
   const int64_t q_rows = Tq + kPadRows, k_rows = Tk + kPadRows;
 
-  // Dense layout: q [T, H, 192], k_nope and v [T, H, 128] apart, k_rope [T, 64] or [T, H, 64],
-  // out [T, H, 128], lse [T, H].
-  // Layer layout: q rows of stride H*192 + 64 starting 32 elements into the buffer (a wider
-  // fused projection output); k_nope and v the two halves of one [T, H, 256] kv_b output;
-  // shared k_rope at column 512 of a [T, 576] latent row, per-head k_rope in a [T, H*64 + 8]
-  // buffer at offset 8; out with head stride 136 and row stride H*136 + 8; lse row stride H + 3.
-  // Every element of every input buffer that is not an operand element is NaN.
-  const bool L = c.layer_strides;
-  std::vector<uint16_t> q_buf, kv_buf, v_buf, rope_buf;
-  HostOperand q{&q_buf, L ? 32 : 0, L ? int64_t(H) * kQk + 64 : int64_t(H) * kQk, kQk, kQk};
-  HostOperand k_nope{&kv_buf, 0, int64_t(H) * (L ? 256 : kNope), L ? 256 : kNope, kNope};
-  HostOperand v = L ? HostOperand{&kv_buf, 128, int64_t(H) * 256, 256, kV}
-                    : HostOperand{&v_buf, 0, int64_t(H) * kV, kV, kV};
-  HostOperand k_rope = c.shared_rope
-                           ? (L ? HostOperand{&rope_buf, 512, 576, 0, kRope}
-                                : HostOperand{&rope_buf, 0, kRope, 0, kRope})
-                           : (L ? HostOperand{&rope_buf, 8, int64_t(H) * kRope + 8, kRope, kRope}
-                                : HostOperand{&rope_buf, 0, int64_t(H) * kRope, kRope, kRope});
-  const int64_t out_head_stride = L ? 136 : kV;
-  const int64_t out_row_stride = L ? H * 136 + 8 : int64_t(H) * kV;
-  const int64_t lse_row_stride = L ? H + 3 : H;
-
-  const uint16_t nan = act_nan(c.act);
-  q_buf.assign(size_t(q.offset + q_rows * q.row_stride), nan);
-  kv_buf.assign(size_t(k_rows * k_nope.row_stride), nan);
-  if (!L) v_buf.assign(size_t(k_rows * v.row_stride), nan);
-  rope_buf.assign(size_t(k_rope.offset + k_rows * k_rope.row_stride), nan);
+  // Dense or layer-strided operands, NaN everywhere else (tests/cuda/prefill_layout.hpp).
+  test::PrefillLayout<uint16_t> lay(H, c.layer_strides, c.shared_rope, q_rows, k_rows,
+                                    act_nan(c.act));
+  const HostOperand &q = lay.q, &k_nope = lay.k_nope, &v = lay.v, &k_rope = lay.k_rope;
 
   Random rng(c.seed);
   // q twice as large as k spreads the scaled scores (std ~2) so the softmax is far from flat
@@ -178,14 +147,15 @@ void run_case(const Case& c) {
   for (int64_t t = 0; t < Tq; ++t)
     for (int h = 0; h < H; ++h)
       for (int d = 0; d < kQk; ++d)
-        qf[size_t((t * H + h) * kQk + d)] = act_value(q_buf[size_t(q.at(t, h, d))], c.act);
+        qf[size_t((t * H + h) * kQk + d)] = act_value(lay.q_buf[size_t(q.at(t, h, d))], c.act);
   for (int64_t t = 0; t < Tk; ++t)
     for (int h = 0; h < H; ++h) {
       for (int d = 0; d < kNope; ++d)
-        kf[size_t((t * H + h) * kQk + d)] = act_value(kv_buf[size_t(k_nope.at(t, h, d))], c.act);
+        kf[size_t((t * H + h) * kQk + d)] =
+            act_value(lay.kv_buf[size_t(k_nope.at(t, h, d))], c.act);
       for (int d = 0; d < kRope; ++d)
         kf[size_t((t * H + h) * kQk + kNope + d)] =
-            act_value(rope_buf[size_t(k_rope.at(t, h, d))], c.act);
+            act_value(lay.rope_buf[size_t(k_rope.at(t, h, d))], c.act);
       for (int d = 0; d < kV; ++d) {
         const float x = act_value((*v.buf)[size_t(v.at(t, h, d))], c.act);
         vf[size_t((t * H + h) * kV + d)] = x;
@@ -217,26 +187,8 @@ void run_case(const Case& c) {
   prob.lse = mag_lse.data();
   cpu::prefill_attention_f32(prob, 4);
 
-  DevBuf<uint16_t> d_q(q_buf), d_kv(kv_buf), d_rope(rope_buf);
-  DevBuf<uint16_t> d_v(L ? std::vector<uint16_t>(1) : v_buf);
-  DevBuf<int32_t> d_cu_q(cu_q), d_cu_k(cu_k);
-  DevBuf<uint16_t> d_out(size_t(q_rows * out_row_stride));
-  DevBuf<float> d_lse(size_t(q_rows * lse_row_stride));
-
-  cuda::PrefillParams p;
-  p.q = {d_q.ptr + q.offset, q.row_stride, q.head_stride};
-  p.k_nope = {d_kv.ptr + k_nope.offset, k_nope.row_stride, k_nope.head_stride};
-  p.k_rope = {d_rope.ptr + k_rope.offset, k_rope.row_stride, k_rope.head_stride};
-  p.v = {(L ? d_kv.ptr : d_v.ptr) + v.offset, v.row_stride, v.head_stride};
-  p.out = d_out.ptr;
-  p.out_row_stride = out_row_stride;
-  p.out_head_stride = out_head_stride;
-  p.lse = d_lse.ptr;
-  p.lse_row_stride = lse_row_stride;
-  p.heads = H;
-  p.cu_q = d_cu_q.ptr;
-  p.cu_k = d_cu_k.ptr;
-  p.num_seqs = num_seqs;
+  test::PrefillBuffers<uint16_t> dev(lay, H, cu_q, cu_k, q_rows);
+  cuda::PrefillParams& p = dev.params;
   p.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end()) + c.extra_max_q;
   p.causal = c.causal;
   p.softmax_scale = scale;
@@ -250,13 +202,13 @@ void run_case(const Case& c) {
     const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
                  : rows_per_cta < 0
-                     ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) +
-                           " pingpong " + std::to_string(opt.pingpong) + " early_rescale " +
+                     ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) + " pingpong " +
+                           std::to_string(opt.pingpong) + " early_rescale " +
                            std::to_string(opt.early_rescale) + " head_group " +
                            std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma)
                      : "rows_per_cta " + std::to_string(rows_per_cta));
-    d_out.fill_bytes(0xFF);
-    d_lse.fill_bytes(0xFF);
+    dev.out.fill_bytes(0xFF);
+    dev.lse.fill_bytes(0xFF);
     if (rows_per_cta == 0)
       cuda::prefill_attention(p, nullptr);
     else if (rows_per_cta < 0)
@@ -264,8 +216,8 @@ void run_case(const Case& c) {
     else
       cuda::prefill_attention_rows(p, rows_per_cta, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    check_result(c, cu_q, d_out.download(), d_lse.download(), ref, ref_mag, ref_lse, out_row_stride,
-                 out_head_stride, lse_row_stride);
+    check_result(c, cu_q, dev.out.download(), dev.lse.download(), ref, ref_mag, ref_lse,
+                 lay.out_row_stride, lay.out_head_stride, lay.lse_row_stride);
   }
 }
 

@@ -28,6 +28,7 @@
 #include "cuda/gpu.hpp"
 #include "cuda/prefill_attention.cuh"
 #include "cuda/prefill_fp8_sm90.cuh"
+#include "cuda/prefill_layout.hpp"
 #include "kmla/error.hpp"
 #include "kmla/numeric.hpp"
 
@@ -38,16 +39,8 @@ using test::DevBuf;
 using test::seq_offsets;
 
 constexpr int kQk = 192, kNope = 128, kRope = 64, kV = 128;
-constexpr int kPadRows = 64;       // NaN rows after the last token of every input
+constexpr int kPadRows = 64;        // NaN rows after the last token of every input
 constexpr uint8_t kNanCode = 0x7F;  // e4m3fn NaN
-
-struct Operand8 {
-  std::vector<uint8_t>* buf;
-  int64_t offset, row_stride, head_stride;
-  int64_t at(int64_t t, int h, int d) const {
-    return offset + t * row_stride + int64_t(h) * head_stride + d;
-  }
-};
 
 struct Case {
   DType act = DType::bf16;
@@ -90,27 +83,11 @@ void run_case(const Case& c) {
   const int64_t Tq = cu_q.back(), Tk = cu_k.back();
   const int64_t q_rows = Tq + kPadRows, k_rows = Tk + kPadRows;
 
-  // Dense: q [T, H, 192], k_nope and v [T, H, 128] apart, k_rope [T, 64] or [T, H, 64].
-  // Strided: q rows of H*192 + 64 bytes from offset 32; k_nope and v the halves of one
-  // [T, H, 256] buffer; shared k_rope at byte 512 of 576-byte rows, per-head k_rope in rows of
-  // H*64 + 16 from offset 16; out head stride 136, row stride H*136 + 8; lse row stride H + 3.
-  const bool L = c.strided;
-  std::vector<uint8_t> q_buf, kv_buf, v_buf, rope_buf;
-  Operand8 q{&q_buf, L ? 32 : 0, L ? int64_t(H) * kQk + 64 : int64_t(H) * kQk, kQk};
-  Operand8 k_nope{&kv_buf, 0, int64_t(H) * (L ? 256 : kNope), L ? 256 : kNope};
-  Operand8 v = L ? Operand8{&kv_buf, 128, int64_t(H) * 256, 256}
-                 : Operand8{&v_buf, 0, int64_t(H) * kV, kV};
-  Operand8 k_rope = c.shared_rope ? (L ? Operand8{&rope_buf, 512, 576, 0}
-                                       : Operand8{&rope_buf, 0, kRope, 0})
-                                  : (L ? Operand8{&rope_buf, 16, int64_t(H) * kRope + 16, kRope}
-                                       : Operand8{&rope_buf, 0, int64_t(H) * kRope, kRope});
-  const int64_t out_head_stride = L ? 136 : kV;
-  const int64_t out_row_stride = L ? H * 136 + 8 : int64_t(H) * kV;
-  const int64_t lse_row_stride = L ? H + 3 : H;
-  q_buf.assign(size_t(q.offset + q_rows * q.row_stride), kNanCode);
-  kv_buf.assign(size_t(k_rows * k_nope.row_stride), kNanCode);
-  if (!L) v_buf.assign(size_t(k_rows * v.row_stride), kNanCode);
-  rope_buf.assign(size_t(k_rope.offset + k_rows * k_rope.row_stride), kNanCode);
+  // Dense or layer-strided operands, NaN everywhere else (tests/cuda/prefill_layout.hpp).
+  test::PrefillLayout<uint8_t> lay(H, c.strided, c.shared_rope, q_rows, k_rows, kNanCode);
+  const test::PrefillOperand<uint8_t>&q = lay.q, &k_nope = lay.k_nope, &v = lay.v,
+        &k_rope = lay.k_rope;
+  std::vector<uint8_t>&q_buf = lay.q_buf, &kv_buf = lay.kv_buf, &rope_buf = lay.rope_buf;
 
   Random rng(c.seed);
   auto code = [&](float std_codes) { return float_to_e4m3_sat(float(rng.normal()) * std_codes); };
@@ -210,27 +187,9 @@ void run_case(const Case& c) {
     }
   }
 
-  DevBuf<uint8_t> d_q(q_buf), d_kv(kv_buf), d_rope(rope_buf);
-  DevBuf<uint8_t> d_v(L ? std::vector<uint8_t>(16) : v_buf);
-  DevBuf<int32_t> d_cu_q(cu_q), d_cu_k(cu_k);
-  DevBuf<uint16_t> d_out(size_t(q_rows * out_row_stride));
-  DevBuf<float> d_lse(size_t(q_rows * lse_row_stride));
+  test::PrefillBuffers<uint8_t> dev(lay, H, cu_q, cu_k, q_rows);
   DevBuf<float> d_scales(std::vector<float>{c.q_scale, c.k_scale, c.v_scale});
-
-  cuda::PrefillParams p;
-  p.q = {d_q.ptr + q.offset, q.row_stride, q.head_stride};
-  p.k_nope = {d_kv.ptr + k_nope.offset, k_nope.row_stride, k_nope.head_stride};
-  p.k_rope = {d_rope.ptr + k_rope.offset, k_rope.row_stride, k_rope.head_stride};
-  p.v = {(L ? d_kv.ptr : d_v.ptr) + v.offset, v.row_stride, v.head_stride};
-  p.out = d_out.ptr;
-  p.out_row_stride = out_row_stride;
-  p.out_head_stride = out_head_stride;
-  p.lse = d_lse.ptr;
-  p.lse_row_stride = lse_row_stride;
-  p.heads = H;
-  p.cu_q = d_cu_q.ptr;
-  p.cu_k = d_cu_k.ptr;
-  p.num_seqs = S;
+  cuda::PrefillParams& p = dev.params;
   p.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end()) + c.extra_max_q;
   p.causal = c.causal;
   p.softmax_scale = softmax_scale;
@@ -264,26 +223,26 @@ void run_case(const Case& c) {
     bool public_entry;
     cuda::Fp8PrefillOptions opt;
   };
-  const Variant variants[] = {{"public entry point", true, {}},
-                              {"pingpong, head groups of 3", false, {true, 3, 2}},
-                              {"head-major order, 3 stages", false, {false, 0, 3}},
-                              {"pingpong, 3 stages", false, {true, 8, 3}},
-                              {"f16x2 exponentials", false, {false, 8, 2, true}},
-                              {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}},
-                              {"rescale at every new max", false, {false, 8, 2, false, false}},
-                              {"f16x2, pingpong, rescale at every new max", false,
-                               {true, 8, 2, true, false}}};
+  const Variant variants[] = {
+      {"public entry point", true, {}},
+      {"pingpong, head groups of 3", false, {true, 3, 2}},
+      {"head-major order, 3 stages", false, {false, 0, 3}},
+      {"pingpong, 3 stages", false, {true, 8, 3}},
+      {"f16x2 exponentials", false, {false, 8, 2, true}},
+      {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}},
+      {"rescale at every new max", false, {false, 8, 2, false, false}},
+      {"f16x2, pingpong, rescale at every new max", false, {true, 8, 2, true, false}}};
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
-    d_out.fill_bytes(0xFF);
-    d_lse.fill_bytes(0xFF);
+    dev.out.fill_bytes(0xFF);
+    dev.lse.fill_bytes(0xFF);
     if (var.public_entry)
       cuda::prefill_attention(p, nullptr);
     else
       cuda::prefill_attention_fp8(p, nullptr, var.opt);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> out = d_out.download();
-    const std::vector<float> lse = d_lse.download();
+    const std::vector<uint16_t> out = dev.out.download();
+    const std::vector<float> lse = dev.lse.download();
     std::vector<char> out_seen(out.size(), 0), lse_seen(lse.size(), 0);
     int bad = 0;
     double worst = 0;
@@ -294,21 +253,21 @@ void run_case(const Case& c) {
       for (int64_t t = cu_q[size_t(s)]; t < cu_q[size_t(s) + 1]; ++t)
         for (int h = 0; h < H; ++h) {
           const size_t r = size_t(t * H + h);
-          const int64_t li = t * lse_row_stride + h;
+          const int64_t li = t * lay.lse_row_stride + h;
           lse_seen[size_t(li)] = 1;
           const double want_lse = ref_lse[r], got_lse = lse[size_t(li)];
           // LSE = max + ln l in fp32 (ex2.approx, fp32 sums): ~1e-6 relative; 1e-3 is loose.
-          const bool lse_ok = std::isinf(want_lse)
-                                  ? (std::isinf(got_lse) && got_lse < 0)
-                                  : std::fabs(got_lse - want_lse) <= 1e-3 * (1 + std::fabs(want_lse));
+          const bool lse_ok = std::isinf(want_lse) ? (std::isinf(got_lse) && got_lse < 0)
+                                                   : std::fabs(got_lse - want_lse) <=
+                                                         1e-3 * (1 + std::fabs(want_lse));
           if (!lse_ok) {
             std::ostringstream m;
-            m << "lse seq " << s << " row " << t << " head " << h << ": got " << got_lse
-              << " want " << want_lse;
+            m << "lse seq " << s << " row " << t << " head " << h << ": got " << got_lse << " want "
+              << want_lse;
             report(m.str());
           }
           for (int d = 0; d < kV; ++d) {
-            const int64_t oi = t * out_row_stride + h * out_head_stride + d;
+            const int64_t oi = t * lay.out_row_stride + h * lay.out_head_stride + d;
             out_seen[size_t(oi)] = 1;
             const size_t i = r * kV + size_t(d);
             const double got = act_value(out[size_t(oi)], c.act), want = ref[i];
@@ -327,7 +286,8 @@ void run_case(const Case& c) {
     for (size_t i = 0; i < lse.size(); ++i) {
       uint32_t bits;
       std::memcpy(&bits, &lse[i], 4);
-      if (!lse_seen[i] && bits != 0xFFFFFFFFu) report("lse element " + std::to_string(i) + " written");
+      if (!lse_seen[i] && bits != 0xFFFFFFFFu)
+        report("lse element " + std::to_string(i) + " written");
     }
     EXPECT_EQ(bad, 0) << "mismatches; worst error / tolerance " << worst;
     std::printf("[fp8 prefill] %s | %s: worst error / tolerance %.3g\n", describe(c).c_str(),
@@ -339,8 +299,8 @@ bool fp8_gpu() {
   if (!test::have_gpu()) return false;
   return cuda::prefill_fp8_supported();
 }
-#define KMLA_REQUIRE_FP8_GPU() \
-  do {                         \
+#define KMLA_REQUIRE_FP8_GPU()                      \
+  do {                                              \
     if (!fp8_gpu()) GTEST_SKIP() << "no sm_90 GPU"; \
   } while (0)
 
