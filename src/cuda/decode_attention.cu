@@ -97,13 +97,15 @@ __host__ __device__ constexpr bool fp8_fragment_path(int rows, int raw_entry_byt
 // KMLA_FP8_DECODE=bf16mma and amax-scaled fp8_ds_mla under bf16 at two CTAs per SM. The
 // others are bf16-activation kernels of one format: plain fp8 on f16 mma (kF16Mma);
 // fp8_ds_mla with the scales folded into S and P (kFoldScale, power-of-two scales) at two
-// or three CTAs per SM, and without (amax scales) at three.
+// or three CTAs per SM, the same on f16 mma (kFoldScale and kF16Mma), and without (amax
+// scales) at three.
 enum Fp8Kernel : int {
   kFp8Generic = 0,
   kFp8PlainF16 = 1,
   kFp8DsMla = 2,
   kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
   kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
+  kFp8DsMlaF16 = 8,   // kFp8DsMlaFold on f16 mma (8: clear of the flag)
 };
 __host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
   return fp8_kernel & kFp8ThreeCtas ? kFp8StagesThreeCtas : kFp8Stages;
@@ -317,6 +319,19 @@ __device__ __forceinline__ int fp8_swz_h(int key) {
   return (((key >> 1) & 3) << 1) ^ ((key >> 2) & 1);
 }
 
+// 2^c as a float, c in [-126, 127].
+__device__ __forceinline__ float pow2i(int c) { return __uint_as_float(uint32_t(127 + c) << 23); }
+
+// The exponent c of fp8_ds_mla's f16 P' (decode_fp8_tiles, kDsF16) of a row whose largest
+// p * scale so far is `big` (>= 0): kept while big * 2^c stays in [1, 2^15] and the row is
+// not being rescaled anyway, else set to put big * 2^c in [2^7, 2^8), within [-100, 100]
+// so that 2^c and 2^-c stay normal floats. big = 0 (no visible key yet) keeps c.
+__device__ __forceinline__ int ds_p_exponent(float big, int c, bool rescaling) {
+  const int e = int(__float_as_uint(big) >> 23) - 127;  // big in [2^e, 2^(e + 1))
+  if (!(big > 0.0f) || (!rescaling && e + c >= 0 && e + c <= 14)) return c;
+  return min(100, max(-100, 7 - e));
+}
+
 // 2 e4m3 codes (low 16 bits) -> 2 T, packed, exact. For bf16 the fp32 form of an e4m3
 // value has at most 3 mantissa bits, so its top 16 bits are the bf16 (NaN stays NaN).
 template <class T>
@@ -395,15 +410,40 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // bf16(code * scale) times bf16(p). (Amax-rule scales are not folded: S would use the exact
 // code * scale instead of bf16(code * scale), which with large logits moved the LSE by more
 // than the tests' 1e-3.)
+//
+// kF16Mma with kFoldScale (fp8_ds_mla, power-of-two scales, bf16 activations; kDsF16 below,
+// KMLA_FP8_DSF16=1): the folded path on f16 mma, one cvt per pair of codes as plain fp8.
+//   S: the 8 code k-steps run on f16 with Q scaled per row by 2^a into f16 as above (the
+//     row maximum is over all 576 columns); the RoPE k-step stays a bf16 mma with the same
+//     rows times 2^a in bf16 (exact: bf16 has fp32's exponent range), accumulated onto the
+//     partial S after the key scale, and 2^-a goes into the fp32 score scale. With
+//     power-of-two scales this is the reference S over bf16(code * scale) = code * scale and
+//     bf16 Q up to the fp32 summation order, for every Q element within 2^-28 of the row
+//     maximum (smaller ones may lose bits in f16: the kF16Mma argument).
+//   P V: A = P'_k = bf16(p_k * scale[k][w]) * 2^c in f16, V the exact f16 codes. bf16 has 8
+//     significant bits and f16 11, so P' is the exact bf16(p_k) * scale * 2^c while it is
+//     a normal f16 (>= 2^-14) and <= 65504. c is per row and warp: B = the largest
+//     p_k * scale[k][w] the row has seen (running, times the softmax correction like l);
+//     c keeps B * 2^c in [1, 2^15] (P' <= 2^15 (1 + 2^-8)) and is set to put it in
+//     [2^7, 2^8) when it leaves that window or the correction rescales the row anyway, the
+//     accumulators taking 2^(c_new - c_old) with the correction. A P' below f16's normal
+//     range (2^-14) is then under 2^-14 of B * 2^c >= 1 and loses at most 2^-25 absolute
+//     (half the subnormal step), 2^-25 of B: far below the bf16 rounding of p (2^-9
+//     relative) that every path has. The output takes 2^-c with 1 / l.
+// Per thread and tile it converts 64 pairs (128 at three CTAs) with 1 instruction instead of
+// 4, and pays ~100 for P' (max of p * scale, 4 shuffles, the c update, the bf16 rounding and
+// the f16 packing).
 template <class T, bool kPlain, bool kF16Mma, bool kSplitSum, bool kThreeCtas, bool kFoldScale,
           int kRawStages, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
-  static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
+  static_assert(!kF16Mma || (std::is_same_v<T, bf16> && (kPlain || kFoldScale)));
   static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
-  using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
+  using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type of the codes
+  constexpr bool kDsF16 = kF16Mma && !kPlain;      // fp8_ds_mla, folded, on f16 mma
+  using MR = std::conditional_t<kPlain, M, T>;     // of the last k-step (fp8_ds_mla: RoPE)
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
   constexpr int kChunks = kEntry / 16;  // 36 or 41 per raw row
@@ -530,9 +570,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         for (int j = 0; j < 4; ++j) {
           const uint32_t v = qa[i][j];
           const float f = mul[j & 1];
-          const __half2 hq = __floats2half2_rn(__uint_as_float(v << 16) * f,
-                                               __uint_as_float(v & 0xFFFF0000u) * f);
-          qa[i][j] = reinterpret_cast<const uint32_t&>(hq);
+          const float lo = __uint_as_float(v << 16) * f, hi = __uint_as_float(v & 0xFFFF0000u) * f;
+          // kDsF16: the RoPE k-step stays bf16 (times the same power of two, exact)
+          qa[i][j] = kDsF16 && i == 8 ? pack2<bf16>(lo, hi) : pack2<fp16>(lo, hi);
         }
     }
   }
@@ -540,6 +580,10 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
   const int count_lo = key_count(row0 + g), count_hi = key_count(row0 + g + 8);
   float m_lo = kNegInf, m_hi = kNegInf;  // running max of scaled scores (log2 domain)
   float l_lo = 0.0f, l_hi = 0.0f;        // this thread's share of the row sums
+  // kDsF16: the row's largest p * scale so far (the whole row, times corr like l) and the
+  // exponent c of its P' (acc holds 2^c times the output's sums)
+  float big_lo = 0.0f, big_hi = 0.0f;
+  int c_lo = 0, c_hi = 0;
   float acc[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -590,7 +634,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       if constexpr (kPlain)
         return e4m3x2_to_act<M>(h ? word >> 16 : word);
       else if constexpr (kFoldScale)
-        return e4m3x2_to_act<T>(h ? word >> 16 : word);
+        return e4m3x2_to_act<M>(h ? word >> 16 : word);
       else
         return e4m3x2_scaled_to_act<T>(h ? word >> 16 : word, ks_scale[n]);
     };
@@ -637,7 +681,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         b1 = bf16x2_to_act<T>(*reinterpret_cast<const uint32_t*>(
             row + (32 + ((2 * warp + 1) ^ h_g)) * 16 + 4 * tq));
       }
-      mma_16816<M>(sp4[n], qa[8], b0, b1);
+      mma_16816<MR>(sp4[n], qa[8], b0, b1);
     }
     float s[4][4];
     if constexpr (kSplitSum) {
@@ -767,15 +811,46 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       l_lo += s[n][0] + s[n][1];
       l_hi += s[n][2] + s[n][3];
     }
+    float f_lo = corr_lo, f_hi = corr_hi;  // what the accumulators take
+    if constexpr (kDsF16) {
+      // p * scale[k][warp] (exact: a power of two; l above has the plain p), the row's
+      // largest in this tile and so far, and c (ds_p_exponent)
+      float u_lo = 0.0f, u_hi = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          s[n][i] *= fold[n][i];
+          s[n][2 + i] *= fold[n][i];
+          u_lo = fmaxf(u_lo, s[n][i]);
+          u_hi = fmaxf(u_hi, s[n][2 + i]);
+        }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        u_lo = fmaxf(u_lo, __shfl_xor_sync(0xffffffffu, u_lo, o));
+        u_hi = fmaxf(u_hi, __shfl_xor_sync(0xffffffffu, u_hi, o));
+      }
+      big_lo = fmaxf(big_lo * corr_lo, u_lo);
+      big_hi = fmaxf(big_hi * corr_hi, u_hi);
+      const int cn_lo = ds_p_exponent(big_lo, c_lo, corr_lo != 1.0f);
+      const int cn_hi = ds_p_exponent(big_hi, c_hi, corr_hi != 1.0f);
+      // corr 2^c_new 2^-c_old in that order: no overflow (c rises only when corr made big
+      // smaller), and an underflow only drops sums that corr made negligible
+      if (cn_lo != c_lo) f_lo = corr_lo * pow2i(cn_lo) * pow2i(-c_lo);
+      if (cn_hi != c_hi) f_hi = corr_hi * pow2i(cn_hi) * pow2i(-c_hi);
+      c_lo = cn_lo;
+      c_hi = cn_hi;
+    }
     // Once the running max settles corr is exactly 1 (x * 1 = x: skipping is bitwise the
-    // same); the row state is identical in all warps, so the vote is too.
-    if (__any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
+    // same); the row state is identical in all warps, so the vote is too (kDsF16: a warp's
+    // c is its own, and so is its vote).
+    if (__any_sync(0xffffffffu, f_lo != 1.0f || f_hi != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
-        acc[n][0] *= corr_lo;
-        acc[n][1] *= corr_lo;
-        acc[n][2] *= corr_hi;
-        acc[n][3] *= corr_hi;
+        acc[n][0] *= f_lo;
+        acc[n][1] *= f_lo;
+        acc[n][2] *= f_hi;
+        acc[n][3] *= f_hi;
       }
     }
 
@@ -785,10 +860,16 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // the same 8 keys and 8 columns. So P V n-tile 8 bi + 2 s + h takes b0 from n-tile 2 k
     // and b1 from n-tile 2 k + 1, and thread t's accumulator pair of that n-tile is output
     // columns 128 warp + 64 bi + 16 t + 4 s + 2 h + {0, 1}.
+    const float pc_lo = pow2i(c_lo), pc_hi = pow2i(c_hi);  // kDsF16
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       auto pack_p = [&](float x, float y) -> uint32_t {
-        if constexpr (kF16Mma) {
+        if constexpr (kDsF16) {
+          // x, y: p * scale * 2^c; bf16 rounding of both in one cvt, then into f16 (exact
+          // down to 2^-14)
+          const uint32_t b = pack2<bf16>(x, y);
+          return pack2<fp16>(__uint_as_float(b << 16), __uint_as_float(b & 0xFFFF0000u));
+        } else if constexpr (kF16Mma) {
           // bf16 rounding of both in one cvt, then times 2^12 into f16 (exact)
           const uint32_t b = pack2<bf16>(x, y);
           return pack2<fp16>(__uint_as_float(b << 16) * 4096.0f,
@@ -798,9 +879,12 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         }
       };
       // P fragment element (row, column 2 t + i) of n-tile n: S accumulator column i of
-      // n-tile n, the same key (kFoldScale: times that key's scale)
+      // n-tile n, the same key (kFoldScale: times that key's scale; kDsF16: s holds that
+      // product already, P' takes 2^c)
       auto p_of = [&](int n, int e) -> float {
-        if constexpr (kFoldScale)
+        if constexpr (kDsF16)
+          return s[n][e] * (e < 2 ? pc_lo : pc_hi);
+        else if constexpr (kFoldScale)
           return s[n][e] * fold[n][e & 1];
         else
           return s[n][e];
@@ -844,8 +928,11 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) continue;
     const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
     const bool empty = m == kNegInf || !(l > 0.0f);
-    // kF16Mma: P was stored times 2^12
-    const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale * (1.0f / 4096.0f) : a.v_scale) / l;
+    // kF16Mma: P was stored times 2^12 (plain fp8) or 2^c (kDsF16)
+    const float vs = !kF16Mma ? a.v_scale
+                     : kPlain ? a.v_scale * (1.0f / 4096.0f)
+                              : a.v_scale * pow2i(-(half ? c_hi : c_lo));
+    const float inv = empty ? 0.0f : vs / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
     const int col0 = 128 * warp + 16 * tq;
@@ -951,6 +1038,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     } else if constexpr (kV == kFp8PlainF16) {
       static_assert(!k3);
       decode_fp8_tiles<T, true, true, false, false, false, kS>(a, smem, work, ntiles, key_count);
+    } else if constexpr (kV == kFp8DsMlaF16) {
+      decode_fp8_tiles<T, false, true, true, k3, true, kS>(a, smem, work, ntiles, key_count);
     } else {
       decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS>(a, smem, work, ntiles,
                                                                             key_count);
@@ -1759,6 +1848,8 @@ int env_int(const char* name, int fallback) {
 // (kFoldScale) when they are powers of two (`pow2_scales`: CacheRef::tile_rule, the default
 // rule), where that gives the same products; amax-rule scales keep bf16(code * scale).
 // KMLA_FP8_DSFOLD=0 (read at every launch, an A/B switch the tests also set) turns it off.
+// KMLA_FP8_DSF16=1 (read at every launch; 0, the default until measured) runs the folded
+// kernels on f16 mma (kFp8DsMlaF16: one cvt per pair of codes instead of four).
 // Measured on H200 (2026-12-03, (128, 12, 8k), bf16 333.0 us): fp8_ds_mla 345.4 us before,
 // folded 335.4 at two CTAs and 330.0 at three; plain fp8 257.4.
 // Tried and dropped (measured slower, same session and the one before): converting half or
@@ -1776,7 +1867,9 @@ int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   const int three = ctas == 3 ? kFp8ThreeCtas : 0;
   const int fold = env_int("KMLA_FP8_DSFOLD", 1);
   KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
-  if (fold && pow2_scales) return kFp8DsMlaFold | three;
+  const int f16 = env_int("KMLA_FP8_DSF16", 0);
+  KMLA_CHECK(f16 == 0 || f16 == 1, "decode: KMLA_FP8_DSF16 must be 0 or 1, got ", f16);
+  if (fold && pow2_scales) return (f16 ? kFp8DsMlaF16 : kFp8DsMlaFold) | three;
   return three ? kFp8DsMla | three : kFp8Generic;
 }
 
@@ -1811,6 +1904,10 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
         return launch_fp8_variant<T, kFp8DsMlaFold>(args, grid, stream);
       case kFp8DsMlaFold | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas>(args, grid, stream);
+      case kFp8DsMlaF16:
+        return launch_fp8_variant<T, kFp8DsMlaF16>(args, grid, stream);
+      case kFp8DsMlaF16 | kFp8ThreeCtas:
+        return launch_fp8_variant<T, kFp8DsMlaF16 | kFp8ThreeCtas>(args, grid, stream);
       default:
         break;
     }
