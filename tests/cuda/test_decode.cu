@@ -16,7 +16,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "cuda/decode_sched.cuh"
@@ -916,8 +915,8 @@ class ScopedEnv {
 // Every fragment-path kernel under bf16 activations, on the same cases: plain fp8 (f16 mma),
 // fp8_ds_mla at two and three CTAs per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw
 // stages, P V converting its codes a second time from the raw tile), with its scales folded
-// into S and P (the default for power-of-two scales), the same on f16 mma (KMLA_FP8_DSF16=1)
-// and not folded (KMLA_FP8_DSFOLD=0). Block
+// into S and P on f16 mma (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0:
+// the kernels amax-rule scales always take). Block
 // sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths around the
 // 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile
 // scales up to 2^6 apart inside a row and between keys, and amax-rule scales (not powers of
@@ -929,14 +928,10 @@ class ScopedEnv {
 TEST(CudaDecode, Fp8FragmentPathVariants) {
   KMLA_REQUIRE_GPU();
   uint64_t seed = 400;
-  // (fold, f16): folded on bf16 mma, not folded, folded on f16 mma
-  const std::pair<const char*, const char*> modes[] = {{"1", "0"}, {"0", "0"}, {"1", "1"}};
-  for (const auto& [fold, f16] : modes) {
+  for (const char* fold : {"1", "0"}) {
     ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
-    ScopedEnv f16_env("KMLA_FP8_DSF16", f16);
     for (CacheFormat format : {CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
-      // fp8_ds_mla only
-      if ((fold[0] == '0' || f16[0] == '1') && format == CacheFormat::fp8) continue;
+      if (fold[0] == '0' && format == CacheFormat::fp8) continue;  // fp8_ds_mla only
       for (int i = 0; i < 5; ++i) {
         const int bs = i >= 3 ? 64 : 16 << (2 * i);
         const int heads = i == 3 ? 12 : std::array<int, 4>{1, 3, 12, 16}[(i + int(format)) % 4];
@@ -956,8 +951,7 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
         c.query_lens = {1, q, 1, 0, q, 1, q, 1, q, 1, q, q};
         c.seed = seed++;
         SCOPED_TRACE(::testing::Message()
-                     << cache_format_name(format) << ", fold " << fold << ", f16 " << f16
-                     << ", block size " << bs
+                     << cache_format_name(format) << ", fold " << fold << ", block size " << bs
                      << ", heads " << heads << (i == 4 ? ", amax scales" : ""));
         std::vector<PlanTweak> tweaks;
         for (int ctas : {2, 3}) {
@@ -975,8 +969,8 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
   }
 }
 
-// fp8_ds_mla on f16 mma (KMLA_FP8_DSF16=1) where f16's range matters, against the folded
-// bf16-mma kernels on the same data: tile scales replaced by 2^e, e uniform in [-20, 10] per
+// fp8_ds_mla's folded kernels (f16 mma) where f16's range matters, and the unfolded ones
+// (KMLA_FP8_DSFOLD=0) on the same data: tile scales replaced by 2^e, e uniform in [-20, 10] per
 // key and group (the writer never goes below 2^-13), so inside one warp's group p * scale
 // spans 30 binades and P' = bf16(p * scale) * 2^c meets both ends of f16 (2^15 at the top,
 // subnormals and zero at the bottom, where the analysis in decode_fp8_tiles bounds the loss
@@ -997,9 +991,8 @@ TEST(CudaDecode, DsMlaF16WideScales) {
                         {-20, -10, 1.0f, 12, 256, 1},
                         {0, 10, 0x1p-16f, 16, 64, 1}};
   uint64_t seed = 500;
-  for (const char* f16 : {"1", "0"}) {
-    ScopedEnv fold_env("KMLA_FP8_DSFOLD", "1");
-    ScopedEnv f16_env("KMLA_FP8_DSF16", f16);
+  for (const char* fold : {"1", "0"}) {
+    ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
     for (const Wide& w : wides) {
       DecodeCase c;
       c.format = CacheFormat::fp8_ds_mla;
@@ -1012,9 +1005,9 @@ TEST(CudaDecode, DsMlaF16WideScales) {
       c.seq_lens = {31, 33, 0, 63, 65, 97, 255, 257, 1000, 2049};
       c.query_lens = {1, w.q, 0, w.q, 1, w.q, 1, w.q, w.q, 1};
       c.seed = seed++;
-      SCOPED_TRACE(::testing::Message() << "f16 " << f16 << ", scales 2^[" << w.lo << ", "
-                                        << w.hi << "], q code part x " << w.q_code_amp
-                                        << ", heads " << w.heads);
+      SCOPED_TRACE(::testing::Message()
+                   << "fold " << fold << ", scales 2^[" << w.lo << ", " << w.hi
+                   << "], q code part x " << w.q_code_amp << ", heads " << w.heads);
       std::vector<PlanTweak> tweaks;
       for (int ctas : {2, 3}) {
         PlanTweak plan, split, balanced;
