@@ -96,13 +96,13 @@ __host__ __device__ constexpr bool fp8_fragment_path(int rows, int raw_entry_byt
 // runs T mma: plain fp8 as is, fp8_ds_mla with the split sum. It serves f16 activations,
 // KMLA_FP8_DECODE=bf16mma and amax-scaled fp8_ds_mla under bf16 at two CTAs per SM. The
 // others are bf16-activation kernels of one format: plain fp8 on f16 mma (kF16Mma);
-// fp8_ds_mla with the scales folded into S and P (kFoldScale, power-of-two scales) at two
-// or three CTAs per SM, and without (amax scales) at three.
+// fp8_ds_mla with the scales folded into S and P on f16 mma (kFoldScale, power-of-two
+// scales) at two or three CTAs per SM, and without (amax scales) at three.
 enum Fp8Kernel : int {
   kFp8Generic = 0,
   kFp8PlainF16 = 1,
   kFp8DsMla = 2,
-  kFp8DsMlaFold = 3,  // fp8_ds_mla with decode_fp8_tiles' kFoldScale
+  kFp8DsMlaF16 = 3,   // fp8_ds_mla with decode_fp8_tiles' kFoldScale (on f16 mma)
   kFp8ThreeCtas = 4,  // flag: three CTAs per SM (decode_fp8_tiles' kThreeCtas)
 };
 __host__ __device__ constexpr int fp8_stages(int fp8_kernel) {
@@ -317,6 +317,19 @@ __device__ __forceinline__ int fp8_swz_h(int key) {
   return (((key >> 1) & 3) << 1) ^ ((key >> 2) & 1);
 }
 
+// 2^c as a float, c in [-126, 127].
+__device__ __forceinline__ float pow2i(int c) { return __uint_as_float(uint32_t(127 + c) << 23); }
+
+// The exponent c of fp8_ds_mla's f16 P' (decode_fp8_tiles, kFoldScale) of a row whose largest
+// p * scale so far is `big` (>= 0): kept while big * 2^c stays in [1, 2^15] and the row is
+// not being rescaled anyway, else set to put big * 2^c in [2^7, 2^8), within [-100, 100]
+// so that 2^c and 2^-c stay normal floats. big = 0 (no visible key yet) keeps c.
+__device__ __forceinline__ int ds_p_exponent(float big, int c, bool rescaling) {
+  const int e = int(__float_as_uint(big) >> 23) - 127;  // big in [2^e, 2^(e + 1))
+  if (!(big > 0.0f) || (!rescaling && e + c >= 0 && e + c <= 14)) return c;
+  return min(100, max(-100, 7 - e));
+}
+
 // 2 e4m3 codes (low 16 bits) -> 2 T, packed, exact. For bf16 the fp32 form of an e4m3
 // value has at most 3 mantissa bits, so its top 16 bits are the bf16 (NaN stays NaN).
 template <class T>
@@ -383,27 +396,45 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // live across the barriers are then the 64 accumulators, 36 Q registers and the S tile.
 // Arithmetic (values, sums and their order) is the same as with two CTAs.
 //
-// kFoldScale (fp8_ds_mla, bf16 activations): the codes become exact bf16 values with no
-// scale (a cvt, two f16 -> f32 and a byte permute per pair, instead of also two multiplies
-// and a rounding pack), and the group scale moves to where it is one number per key: warp
-// w's 8 code k-steps are exactly scale group w, so its partial S column of key k is
-// multiplied by scale[k][w] before the RoPE k-step is added, and P V takes P'_k =
-// bf16(p_k * scale[k][w]) as its A operand (warp w's output columns are group w too).
-// Per thread and tile: 8 scale loads and 24 multiplies instead of 128 multiplies and 64
-// packs (twice that with kThreeCtas, which converts twice). With power-of-two scales (the
-// default tile rule, the only one it is used for) the products are the same numbers as
-// bf16(code * scale) times bf16(p). (Amax-rule scales are not folded: S would use the exact
-// code * scale instead of bf16(code * scale), which with large logits moved the LSE by more
-// than the tests' 1e-3.)
+// kFoldScale (fp8_ds_mla, power-of-two scales, bf16 activations; always with kF16Mma):
+// warp w's 8 code k-steps are exactly scale group w (columns [128 w, 128 w + 128)), and so
+// are its P V output columns, so the group scale is one number per key there and the codes
+// convert without it, to f16 with one cvt per pair as plain fp8 (the bf16 path paid a cvt,
+// two f16 -> f32, two multiplies and a rounding pack per pair).
+//   S: the 8 code k-steps run on f16 with Q scaled per row by 2^a into f16 as above (the
+//     row maximum is over all 576 columns); the partial S column of key k is multiplied by
+//     scale[k][w]; then the RoPE k-step, a bf16 mma with the same Q rows times 2^a in bf16
+//     (exact: bf16 has fp32's exponent range), is added; 2^-a goes into the fp32 score
+//     scale. With power-of-two scales this is the reference S over bf16(code * scale) =
+//     code * scale and bf16 Q up to the fp32 summation order, for every Q element within
+//     2^-28 of the row maximum (smaller ones may lose bits in f16: the kF16Mma argument).
+//     (Amax-rule scales are not folded: there bf16(code * scale) != code * scale, and with
+//     large logits that moved the LSE by more than the tests' 1e-3.)
+//   P V: A = P'_k = bf16(p_k * scale[k][w]) * 2^c in f16, V the exact f16 codes. bf16 has 8
+//     significant bits and f16 11, so P' is the exact bf16(p_k) * scale * 2^c while it is
+//     a normal f16 (>= 2^-14) and <= 65504. c is per row and warp: B = the largest
+//     p_k * scale[k][w] the row has seen (running, times the softmax correction like l);
+//     c keeps B * 2^c in [1, 2^15] (P' <= 2^15 (1 + 2^-8)) and is set to put it in
+//     [2^7, 2^8) when it leaves that window or the correction rescales the row anyway, the
+//     accumulators taking 2^(c_new - c_old) with the correction. A P' below f16's normal
+//     range (2^-14) is then under 2^-14 of B * 2^c >= 1 and loses at most 2^-25 absolute
+//     (half the subnormal step), 2^-25 of B: far below the bf16 rounding of p (2^-9
+//     relative) that every path has. The output takes 2^-c with 1 / l.
+// Per thread and tile: 64 pairs converted with 1 instruction instead of 6 (128 at three
+// CTAs), 8 scale loads, and ~100 instructions for P' (p * scale, its row maximum with 4
+// shuffles, the c update, times 2^c, the bf16 rounding and the f16 packing). Measured on
+// H200 (2026-12-03, (128, 12, 8k)): 310.8 us at three CTAs against 326.2 for the same fold
+// on bf16 mma (322.1 at two CTAs).
 template <class T, bool kPlain, bool kF16Mma, bool kSplitSum, bool kThreeCtas, bool kFoldScale,
           int kRawStages, class KeyCount>
 __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte* smem,
                                                  const DecodeWork& work, int ntiles,
                                                  KeyCount key_count) {
   const int r = work.r, row0 = work.row0, nrows = work.nrows, key0 = work.key0, key1 = work.key1;
-  static_assert(!kF16Mma || (kPlain && std::is_same_v<T, bf16>));
-  static_assert(!kFoldScale || (!kPlain && std::is_same_v<T, bf16>));
-  using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type
+  static_assert(!kF16Mma || (std::is_same_v<T, bf16> && (kPlain || kFoldScale)));
+  static_assert(!kFoldScale || (!kPlain && kF16Mma));
+  using M = std::conditional_t<kF16Mma, fp16, T>;  // mma operand type of the codes
+  using MR = std::conditional_t<kPlain, M, T>;     // of the last k-step (fp8_ds_mla: RoPE)
   constexpr int kEntry = kPlain ? kLatentDim : kDsMlaEntryBytes;
   constexpr int kStride = fp8_raw_stride(kEntry);
   constexpr int kChunks = kEntry / 16;  // 36 or 41 per raw row
@@ -530,9 +561,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         for (int j = 0; j < 4; ++j) {
           const uint32_t v = qa[i][j];
           const float f = mul[j & 1];
-          const __half2 hq = __floats2half2_rn(__uint_as_float(v << 16) * f,
-                                               __uint_as_float(v & 0xFFFF0000u) * f);
-          qa[i][j] = reinterpret_cast<const uint32_t&>(hq);
+          const float lo = __uint_as_float(v << 16) * f, hi = __uint_as_float(v & 0xFFFF0000u) * f;
+          // kFoldScale: the RoPE k-step stays bf16 (times the same power of two, exact)
+          qa[i][j] = kFoldScale && i == 8 ? pack2<bf16>(lo, hi) : pack2<fp16>(lo, hi);
         }
     }
   }
@@ -540,6 +571,10 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
   const int count_lo = key_count(row0 + g), count_hi = key_count(row0 + g + 8);
   float m_lo = kNegInf, m_hi = kNegInf;  // running max of scaled scores (log2 domain)
   float l_lo = 0.0f, l_hi = 0.0f;        // this thread's share of the row sums
+  // kFoldScale: the row's largest p * scale so far (the whole row, times corr like l) and the
+  // exponent c of its P' (acc holds 2^c times the output's sums)
+  float big_lo = 0.0f, big_hi = 0.0f;
+  int c_lo = 0, c_hi = 0;
   float acc[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -590,7 +625,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       if constexpr (kPlain)
         return e4m3x2_to_act<M>(h ? word >> 16 : word);
       else if constexpr (kFoldScale)
-        return e4m3x2_to_act<T>(h ? word >> 16 : word);
+        return e4m3x2_to_act<M>(h ? word >> 16 : word);
       else
         return e4m3x2_scaled_to_act<T>(h ? word >> 16 : word, ks_scale[n]);
     };
@@ -637,7 +672,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         b1 = bf16x2_to_act<T>(*reinterpret_cast<const uint32_t*>(
             row + (32 + ((2 * warp + 1) ^ h_g)) * 16 + 4 * tq));
       }
-      mma_16816<M>(sp4[n], qa[8], b0, b1);
+      mma_16816<MR>(sp4[n], qa[8], b0, b1);
     }
     float s[4][4];
     if constexpr (kSplitSum) {
@@ -767,15 +802,46 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
       l_lo += s[n][0] + s[n][1];
       l_hi += s[n][2] + s[n][3];
     }
+    float f_lo = corr_lo, f_hi = corr_hi;  // what the accumulators take
+    if constexpr (kFoldScale) {
+      // p * scale[k][warp] (exact: a power of two; l above has the plain p), the row's
+      // largest in this tile and so far, and c (ds_p_exponent)
+      float u_lo = 0.0f, u_hi = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          s[n][i] *= fold[n][i];
+          s[n][2 + i] *= fold[n][i];
+          u_lo = fmaxf(u_lo, s[n][i]);
+          u_hi = fmaxf(u_hi, s[n][2 + i]);
+        }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        u_lo = fmaxf(u_lo, __shfl_xor_sync(0xffffffffu, u_lo, o));
+        u_hi = fmaxf(u_hi, __shfl_xor_sync(0xffffffffu, u_hi, o));
+      }
+      big_lo = fmaxf(big_lo * corr_lo, u_lo);
+      big_hi = fmaxf(big_hi * corr_hi, u_hi);
+      const int cn_lo = ds_p_exponent(big_lo, c_lo, corr_lo != 1.0f);
+      const int cn_hi = ds_p_exponent(big_hi, c_hi, corr_hi != 1.0f);
+      // corr 2^c_new 2^-c_old in that order: no overflow (c rises only when corr made big
+      // smaller), and an underflow only drops sums that corr made negligible
+      if (cn_lo != c_lo) f_lo = corr_lo * pow2i(cn_lo) * pow2i(-c_lo);
+      if (cn_hi != c_hi) f_hi = corr_hi * pow2i(cn_hi) * pow2i(-c_hi);
+      c_lo = cn_lo;
+      c_hi = cn_hi;
+    }
     // Once the running max settles corr is exactly 1 (x * 1 = x: skipping is bitwise the
-    // same); the row state is identical in all warps, so the vote is too.
-    if (__any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
+    // same); the row state is identical in all warps, so the vote is too (kFoldScale: a warp's
+    // c is its own, and so is its vote).
+    if (__any_sync(0xffffffffu, f_lo != 1.0f || f_hi != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
-        acc[n][0] *= corr_lo;
-        acc[n][1] *= corr_lo;
-        acc[n][2] *= corr_hi;
-        acc[n][3] *= corr_hi;
+        acc[n][0] *= f_lo;
+        acc[n][1] *= f_lo;
+        acc[n][2] *= f_hi;
+        acc[n][3] *= f_hi;
       }
     }
 
@@ -785,10 +851,16 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     // the same 8 keys and 8 columns. So P V n-tile 8 bi + 2 s + h takes b0 from n-tile 2 k
     // and b1 from n-tile 2 k + 1, and thread t's accumulator pair of that n-tile is output
     // columns 128 warp + 64 bi + 16 t + 4 s + 2 h + {0, 1}.
+    const float pc_lo = pow2i(c_lo), pc_hi = pow2i(c_hi);  // kFoldScale
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       auto pack_p = [&](float x, float y) -> uint32_t {
-        if constexpr (kF16Mma) {
+        if constexpr (kFoldScale) {
+          // x, y: p * scale * 2^c; bf16 rounding of both in one cvt, then into f16 (exact
+          // down to 2^-14)
+          const uint32_t b = pack2<bf16>(x, y);
+          return pack2<fp16>(__uint_as_float(b << 16), __uint_as_float(b & 0xFFFF0000u));
+        } else if constexpr (kF16Mma) {
           // bf16 rounding of both in one cvt, then times 2^12 into f16 (exact)
           const uint32_t b = pack2<bf16>(x, y);
           return pack2<fp16>(__uint_as_float(b << 16) * 4096.0f,
@@ -798,10 +870,10 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         }
       };
       // P fragment element (row, column 2 t + i) of n-tile n: S accumulator column i of
-      // n-tile n, the same key (kFoldScale: times that key's scale)
+      // n-tile n, the same key (kFoldScale: s holds p times that key's scale, P' takes 2^c)
       auto p_of = [&](int n, int e) -> float {
         if constexpr (kFoldScale)
-          return s[n][e] * fold[n][e & 1];
+          return s[n][e] * (e < 2 ? pc_lo : pc_hi);
         else
           return s[n][e];
       };
@@ -844,8 +916,11 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
     if (row0 + row >= nrows) continue;
     const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
     const bool empty = m == kNegInf || !(l > 0.0f);
-    // kF16Mma: P was stored times 2^12
-    const float inv = empty ? 0.0f : (kF16Mma ? a.v_scale * (1.0f / 4096.0f) : a.v_scale) / l;
+    // kF16Mma: P was stored times 2^12 (plain fp8) or 2^c (kFoldScale)
+    const float vs = !kF16Mma ? a.v_scale
+                     : kPlain ? a.v_scale * (1.0f / 4096.0f)
+                              : a.v_scale * pow2i(-(half ? c_hi : c_lo));
+    const float inv = empty ? 0.0f : vs / l;
     const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
     // n-tile 8 bi + m holds columns 128 warp + 64 bi + 16 t + 2 m + {0, 1}
     const int col0 = 128 * warp + 16 * tq;
@@ -951,9 +1026,18 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     } else if constexpr (kV == kFp8PlainF16) {
       static_assert(!k3);
       decode_fp8_tiles<T, true, true, false, false, false, kS>(a, smem, work, ntiles, key_count);
+    } else if constexpr (kV == kFp8DsMlaF16) {
+      // f16 codes pay off with the hardware e4m3x2 -> f16x2 cvt (sm_89+). The sm_80 pass,
+      // where it is emulated (and the three-CTA form spilled 16 bytes), compiles the
+      // unfolded form (bf16(code * scale)) instead: correct for any scales.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+      decode_fp8_tiles<T, false, false, true, k3, false, kS>(a, smem, work, ntiles, key_count);
+#else
+      decode_fp8_tiles<T, false, true, true, k3, true, kS>(a, smem, work, ntiles, key_count);
+#endif
     } else {
-      decode_fp8_tiles<T, false, false, true, k3, kV == kFp8DsMlaFold, kS>(a, smem, work, ntiles,
-                                                                            key_count);
+      static_assert(kV == kFp8DsMla);
+      decode_fp8_tiles<T, false, false, true, k3, false, kS>(a, smem, work, ntiles, key_count);
     }
     return;
   }
@@ -1755,11 +1839,13 @@ int env_int(const char* name, int fallback) {
 // conversion per pair of codes instead of four; decode_fp8_tiles, kF16Mma). Measured on H200
 // (2026-12-03), (128, 12, 8K): 282.6 against 307.9 us on bf16 mma. KMLA_FP8_DECODE=bf16mma
 // (read once) keeps bf16 mma for A/B timing. fp8_ds_mla folds its scales into S and P
-// (kFoldScale) when they are powers of two (`pow2_scales`: CacheRef::tile_rule, the default
-// rule), where that gives the same products; amax-rule scales keep bf16(code * scale).
-// KMLA_FP8_DSFOLD=0 (read at every launch, an A/B switch the tests also set) turns it off.
-// Measured on H200 (2026-12-03, (128, 12, 8k), bf16 333.0 us): fp8_ds_mla 345.4 us before,
-// folded 335.4 at two CTAs and 330.0 at three; plain fp8 257.4.
+// on f16 mma (kFoldScale) when they are powers of two (`pow2_scales`: CacheRef::tile_rule,
+// the default rule), where that gives the same products; amax-rule scales keep
+// bf16(code * scale). KMLA_FP8_DSFOLD=0 (read at every launch, an A/B switch the tests also
+// set) turns the fold off. Measured on H200 (2026-12-03, (128, 12, 8k), bf16 332-333 us):
+// fp8_ds_mla 345.4 us unfolded; folded on bf16 mma 335.4 at two CTAs and 326.2-330.0 at
+// three; folded on f16 mma 322.1 at two and 310.8 at three (the bf16-mma fold kernels are
+// gone with their switch, KMLA_FP8_DSF16); plain fp8 256.4-257.4.
 // Tried and dropped (measured slower, same session and the one before): converting half or
 // all of plain fp8's key codes on the integer pipe instead of the conversion unit (276.6 /
 // 301.6 against 256.7 us); the split sum for plain fp8 (276.7 with the half conversion);
@@ -1775,7 +1861,7 @@ int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
   const int three = ctas == 3 ? kFp8ThreeCtas : 0;
   const int fold = env_int("KMLA_FP8_DSFOLD", 1);
   KMLA_CHECK(fold == 0 || fold == 1, "decode: KMLA_FP8_DSFOLD must be 0 or 1, got ", fold);
-  if (fold && pow2_scales) return kFp8DsMlaFold | three;
+  if (fold && pow2_scales) return kFp8DsMlaF16 | three;
   return three ? kFp8DsMla | three : kFp8Generic;
 }
 
@@ -1806,10 +1892,10 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
         return launch_fp8_variant<T, kFp8PlainF16>(args, grid, stream);
       case kFp8DsMla | kFp8ThreeCtas:
         return launch_fp8_variant<T, kFp8DsMla | kFp8ThreeCtas>(args, grid, stream);
-      case kFp8DsMlaFold:
-        return launch_fp8_variant<T, kFp8DsMlaFold>(args, grid, stream);
-      case kFp8DsMlaFold | kFp8ThreeCtas:
-        return launch_fp8_variant<T, kFp8DsMlaFold | kFp8ThreeCtas>(args, grid, stream);
+      case kFp8DsMlaF16:
+        return launch_fp8_variant<T, kFp8DsMlaF16>(args, grid, stream);
+      case kFp8DsMlaF16 | kFp8ThreeCtas:
+        return launch_fp8_variant<T, kFp8DsMlaF16 | kFp8ThreeCtas>(args, grid, stream);
       default:
         break;
     }
@@ -1872,8 +1958,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
       1024;
   // fp8_ds_mla's 16-row kernels at three CTAs per SM: their own shared memory (and launch
   // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): folded scales
-  // 330.0 against 335.4 us at two (plain fp8 lost at three, 260.1 against 255.9, and has no
-  // such kernel). KMLA_FP8_CTAS=2 keeps two (A/B).
+  // 330.0 against 335.4 us at two on bf16 mma, 310.8 against 322.1 on f16 mma (plain fp8
+  // lost at three, 260.1 against 255.9, and has no such kernel). KMLA_FP8_CTAS=2 keeps two
+  // (A/B).
   const int fp8_ctas = env_int("KMLA_FP8_CTAS", 3);
   KMLA_CHECK(fp8_ctas == 2 || fp8_ctas == 3, "decode: KMLA_FP8_CTAS must be 2 or 3, got ",
              fp8_ctas);

@@ -65,6 +65,11 @@ struct DecodeCase {
   // so fp8_ds_mla tile scales differ between the column groups of a row and between keys.
   float column_spread = 0.0f;
   TileScaleRule tile_rule = TileScaleRule::power_of_two;  // fp8_ds_mla tile scales
+  // fp8_ds_mla, lo < hi: every written row's 4 tile scales are replaced by 2^e, e uniform in
+  // [lo, hi] per key and group (the codes stay, so the values become code * 2^e; the writer
+  // itself never goes below 2^-13).
+  int ds_scale_exp_lo = 0, ds_scale_exp_hi = 0;
+  float q_code_amp = 1.0f;  // q's 512 code-part columns are scaled by this (RoPE part not)
   uint64_t seed = 1;
 };
 
@@ -161,6 +166,13 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
           row[size_t(k)] *= std::exp2(c.column_spread * float((k / 128 + pos) % 4));
       const int32_t block = tables[size_t(r) * max_blocks + pos / bs];
       cache.write_row(int64_t(block) * bs + pos % bs, row.data());
+      if (c.format == CacheFormat::fp8_ds_mla && c.ds_scale_exp_lo < c.ds_scale_exp_hi) {
+        std::uniform_int_distribution<int> exp(c.ds_scale_exp_lo, c.ds_scale_exp_hi);
+        float scales[kDsMlaTiles];
+        for (float& sc : scales) sc = std::ldexp(1.0f, exp(rng));
+        std::memcpy(cache.slot_ptr(int64_t(block) * bs + pos % bs) + kDsMlaScaleOffset, scales,
+                    sizeof scales);
+      }
     }
   }
 
@@ -198,7 +210,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
           q_dev[size_t(d)] = code;
           q_ref[size_t(f)] = e4m3_to_float(code) * c.q_scale;
         } else {
-          const float x = uni(rng);
+          const float x = uni(rng) * (k % kLatentDim < kKvLoraRank ? c.q_code_amp : 1.0f);
           const uint16_t v = c.act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
           std::memcpy(&q_dev[size_t(d) * 2], &v, 2);
           q_ref[size_t(f)] = act_to_float(c.act, v);

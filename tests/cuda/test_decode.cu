@@ -915,7 +915,8 @@ class ScopedEnv {
 // Every fragment-path kernel under bf16 activations, on the same cases: plain fp8 (f16 mma),
 // fp8_ds_mla at two and three CTAs per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw
 // stages, P V converting its codes a second time from the raw tile), with its scales folded
-// into S and P (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0). Block
+// into S and P on f16 mma (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0:
+// the kernels amax-rule scales always take). Block
 // sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths around the
 // 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile
 // scales up to 2^6 apart inside a row and between keys, and amax-rule scales (not powers of
@@ -964,6 +965,59 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
         }
         run_case(c, tweaks);
       }
+    }
+  }
+}
+
+// fp8_ds_mla's folded kernels (f16 mma) where f16's range matters, and the unfolded ones
+// (KMLA_FP8_DSFOLD=0) on the same data: tile scales replaced by 2^e, e uniform in [-20, 10] per
+// key and group (the writer never goes below 2^-13), so inside one warp's group p * scale
+// spans 30 binades and P' = bf16(p * scale) * 2^c meets both ends of f16 (2^15 at the top,
+// subnormals and zero at the bottom, where the analysis in decode_fp8_tiles bounds the loss
+// by 2^-25 of the row's largest p * scale: the harness's tolerance, 2 ulps of the row's
+// largest |output|, is kept); only small scales ([-20, -10]: c must rise above 15); and large ones
+// with the code part of q small, so that the logits stay where fp32 can hold the LSE to 1e-3
+// (~10 and ~100). 12 and 16 heads, 2-token queries, lengths just off the 32-key tile and
+// the blocks, two and three CTAs per SM, per-request splits and the balanced schedule.
+TEST(CudaDecode, DsMlaF16WideScales) {
+  KMLA_REQUIRE_GPU();
+  struct Wide {
+    int lo, hi;
+    float q_code_amp;
+    int heads, block_size, q;
+  };
+  const Wide wides[] = {{-20, 10, 0x1p-14f, 12, 64, 2},
+                        {-20, 10, 0x1p-11f, 16, 16, 1},
+                        {-20, -10, 1.0f, 12, 256, 1},
+                        {0, 10, 0x1p-16f, 16, 64, 1}};
+  uint64_t seed = 500;
+  for (const char* fold : {"1", "0"}) {
+    ScopedEnv fold_env("KMLA_FP8_DSFOLD", fold);
+    for (const Wide& w : wides) {
+      DecodeCase c;
+      c.format = CacheFormat::fp8_ds_mla;
+      c.act = DType::bf16;
+      c.ds_scale_exp_lo = w.lo;
+      c.ds_scale_exp_hi = w.hi;
+      c.q_code_amp = w.q_code_amp;
+      c.heads = w.heads;
+      c.block_size = w.block_size;
+      c.seq_lens = {31, 33, 0, 63, 65, 97, 255, 257, 1000, 2049};
+      c.query_lens = {1, w.q, 0, w.q, 1, w.q, 1, w.q, w.q, 1};
+      c.seed = seed++;
+      SCOPED_TRACE(::testing::Message()
+                   << "fold " << fold << ", scales 2^[" << w.lo << ", " << w.hi
+                   << "], q code part x " << w.q_code_amp << ", heads " << w.heads);
+      std::vector<PlanTweak> tweaks;
+      for (int ctas : {2, 3}) {
+        PlanTweak plan, split, balanced;
+        plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
+        split.num_splits = 3;
+        balanced.workers = 300;
+        plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
+        tweaks.insert(tweaks.end(), {plan, split, balanced});
+      }
+      run_case(c, tweaks);
     }
   }
 }
