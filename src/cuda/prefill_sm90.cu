@@ -229,6 +229,148 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
   return causal ? min(max(m - n + row + 1, 0), m) : m;
 }
 
+// ---- the compact grid (Sm90Options::compact) ------------------------------------------
+// A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks.
+// An item's cost is its key tiles, ceil(key_limit(last row) / 128), which never falls as the
+// block index grows. Order, with heads in groups of G as in the 3-D grid: group slowest;
+// inside a group the (sequence, block) pairs of the whole batch longest first (ties: lower
+// sequence first, then higher block), heads fastest. For one sequence this is exactly the
+// 3-D grid's order (rank r = block num_blocks - 1 - r), so single-sequence launches see the
+// same CTA sequence as before.
+//
+// Query blocks of a sequence of n queries and m keys with at least c key tiles (c = 0: all
+// of them). Causal: block b sees more than x = 128 (c - 1) keys iff its last row
+// min(128 b + 127, n - 1) reaches r = x + n - m (and m > x), i.e. b >= max(r, 0) / 128.
+__device__ __forceinline__ int blocks_with_tiles(int n, int m, int c, bool causal) {
+  if (n <= 0) return 0;
+  const int blocks = (n + kBlockM - 1) / kBlockM;
+  if (c <= 0) return blocks;
+  const int x = (c - 1) * kBlockN;
+  if (m <= x) return 0;
+  if (!causal) return blocks;
+  const int r = x + n - m;
+  if (r > n - 1) return 0;
+  return blocks - max(r, 0) / kBlockM;
+}
+
+struct CompactItem {
+  int seq, block, head;  // block -1: past the batch's items (the CTA leaves)
+  int q_begin, n, k_begin, m;
+};
+
+// Warp-collective (all 32 lanes of one warp): item `idx` of the order above. Lane l keeps
+// sequences l, l + 32, ... and the first 32 sequences' lengths stay in registers, so the
+// binary search over the cost (log2(max tiles + 1) steps, 7 at 8k keys) costs shuffles, not
+// loads, for batches of up to 32 sequences; more sequences re-read cu_q / cu_k (L1 hits).
+// About 1 + 7 x 5 shuffle rounds after the first loads: well under a microsecond.
+__device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int head_group) {
+  const bool causal = p.causal;
+  const int lane = int(threadIdx.x & 31), S = p.num_seqs;
+  auto lengths = [&](int s, int& n, int& m) {
+    const int qb = __ldg(p.cu_q + s), kb = __ldg(p.cu_k + s);
+    n = __ldg(p.cu_q + s + 1) - qb;
+    m = __ldg(p.cu_k + s + 1) - kb;
+  };
+  int n0 = 0, m0 = 0;  // this lane's sequence among the first 32
+  if (lane < S) lengths(lane, n0, m0);
+  auto warp_sum = [](int v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+  };
+  // Sum over sequences of f(n, m).
+  auto sum_seqs = [&](auto f) {
+    int acc = lane < S ? f(n0, m0) : 0;
+#pragma unroll 1
+    for (int s = 32 + lane; s < S; s += 32) {
+      int n, m;
+      lengths(s, n, m);
+      acc += f(n, m);
+    }
+    return warp_sum(acc);
+  };
+  // Query blocks in all and the largest cost (the last block's tiles).
+  int total_blocks = 0, max_tiles = 0;
+  {
+    int nb = 0, mt = 0;
+#pragma unroll 1
+    for (int s = lane; s < S; s += 32) {
+      int n = n0, m = m0;
+      if (s >= 32) lengths(s, n, m);
+      if (n > 0) {
+        nb += (n + kBlockM - 1) / kBlockM;
+        mt = max(mt, (key_limit(n - 1, n, m, causal) + kBlockN - 1) / kBlockN);
+      }
+    }
+    total_blocks = warp_sum(nb);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mt = max(mt, __shfl_xor_sync(0xffffffffu, mt, d));
+    max_tiles = mt;
+  }
+  CompactItem it{0, -1, 0, 0, 0, 0, 0};
+  const int64_t tb = total_blocks;
+  if (idx >= tb * p.heads) return it;
+  const int G = max(head_group, 1);
+  const int g0 = int(idx / (int64_t(G) * tb)) * G;  // first head of the group
+  const int hs = min(G, p.heads - g0);              // heads in this group
+  const int64_t r = idx - int64_t(g0) * tb;         // in [0, hs * tb)
+  it.head = g0 + int(r % hs);
+  int q = int(r / hs);  // place of the (sequence, block) pair in the longest-first order
+  if (S == 1) {
+    it.seq = 0;
+    it.block = (n0 + kBlockM - 1) / kBlockM - 1 - q;
+  } else {
+    // The pair's cost c: the largest with at_least(c) > q (at_least(0) = total_blocks > q).
+    auto at_least = [&](int c) {
+      return sum_seqs([&](int n, int m) { return blocks_with_tiles(n, m, c, causal); });
+    };
+    int lo = 0, hi = max_tiles + 1;
+#pragma unroll 1
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (at_least(mid) > q)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    q -= at_least(lo + 1);  // place among the pairs of cost exactly lo
+    // The sequence: a warp scan of each sequence's count of cost-lo blocks, 32 at a time.
+    // Sequence s's blocks of cost lo are [nb - from, nb - to), taken highest first.
+#pragma unroll 1
+    for (int s0 = 0; s0 < S; s0 += 32) {
+      const int s = s0 + lane;
+      int n = n0, m = m0, count = 0, last = 0;
+      if (s >= 32 && s < S) lengths(s, n, m);
+      if (s < S) {
+        const int from = blocks_with_tiles(n, m, lo, causal);
+        const int to = blocks_with_tiles(n, m, lo + 1, causal);
+        count = from - to;
+        last = (n + kBlockM - 1) / kBlockM - to - 1;
+      }
+      int incl = count;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      const int chunk = __shfl_sync(0xffffffffu, incl, 31);
+      if (q < chunk) {
+        const int hit = __ffs(__ballot_sync(0xffffffffu, incl > q)) - 1;
+        const int before = __shfl_sync(0xffffffffu, incl - count, hit);
+        it.seq = s0 + hit;
+        it.block = __shfl_sync(0xffffffffu, last, hit) - (q - before);
+        break;
+      }
+      q -= chunk;
+    }
+  }
+  it.q_begin = __ldg(p.cu_q + it.seq);
+  it.n = __ldg(p.cu_q + it.seq + 1) - it.q_begin;
+  it.k_begin = __ldg(p.cu_k + it.seq);
+  it.m = __ldg(p.cu_k + it.seq + 1) - it.k_begin;
+  return it;
+}
+
 #endif  // KMLA_SM90_DEVICE
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -276,7 +418,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
-                                  float scale_log2, int head_group, bool pingpong, bool tma) {
+                                  float scale_log2, int head_group, bool pingpong, bool tma,
+                                  bool compact) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
@@ -288,29 +431,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
-  // Which (head, query block) this CTA takes: see the grid order above the kernel.
-  int head = int(blockIdx.y), rank = int(blockIdx.x);  // head_group 0: blocks fastest
-  if (head_group > 0) {
-    const int nbx = int(gridDim.x);
-    const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
-    const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
-    const int hs = min(head_group, p.heads - g0);             // heads in this group
-    const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
-    head = g0 + r % hs;
-    rank = r / hs;
+  // Which (head, query block, sequence) this CTA takes: see the grid order above the kernel
+  // (3-D grid) or above compact_item (1-D grid).
+  __shared__ int item_smem[6];
+  int head, block, q_begin, n, k_begin, m;
+  if (!compact) {
+    head = int(blockIdx.y);
+    int rank = int(blockIdx.x);  // head_group 0: blocks fastest
+    if (head_group > 0) {
+      const int nbx = int(gridDim.x);
+      const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
+      const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
+      const int hs = min(head_group, p.heads - g0);             // heads in this group
+      const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
+      head = g0 + r % hs;
+      rank = r / hs;
+    }
+    const int seq = blockIdx.z;
+    q_begin = p.cu_q[seq];
+    n = p.cu_q[seq + 1] - q_begin;
+    k_begin = p.cu_k[seq];
+    m = p.cu_k[seq + 1] - k_begin;
+    const int num_blocks = (n + kBlockM - 1) / kBlockM;
+    block = num_blocks - 1 - rank;
+    if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
+  } else if (threadIdx.x < 32) {
+    // Warp 0 finds the item and hands it to the others through shared memory (published
+    // by the __syncthreads below).
+    const CompactItem it = compact_item(p, int64_t(blockIdx.x), head_group);
+    if (threadIdx.x == 0) {
+      item_smem[0] = it.head;
+      item_smem[1] = it.block;
+      item_smem[2] = it.q_begin;
+      item_smem[3] = it.n;
+      item_smem[4] = it.k_begin;
+      item_smem[5] = it.m;
+    }
   }
-  const int seq = blockIdx.z;
-  const int q_begin = p.cu_q[seq];
-  const int n = p.cu_q[seq + 1] - q_begin;
-  const int k_begin = p.cu_k[seq];
-  const int m = p.cu_k[seq + 1] - k_begin;
-  const int num_blocks = (n + kBlockM - 1) / kBlockM;
-  const int block = num_blocks - 1 - rank;
-  if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
-  const int q0 = block * kBlockM;
-  const bool causal = p.causal;
-  const int last_row = min(q0 + kBlockM, n) - 1;
-  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: producer
@@ -328,6 +485,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  if (compact) {
+    head = item_smem[0];
+    block = item_smem[1];
+    q_begin = item_smem[2];
+    n = item_smem[3];
+    k_begin = item_smem[4];
+    m = item_smem[5];
+    if (block < 0) return;  // past the batch's items (uniform: the whole CTA leaves)
+  }
+  const int q0 = block * kBlockM;
+  const bool causal = p.causal;
+  const int last_row = min(q0 + kBlockM, n) - 1;
+  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
 
   // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
   // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
@@ -726,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps;
-  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)compact;
 #endif
 }
 
@@ -884,6 +1054,21 @@ bool prefill_sm90_supported(const PrefillParams& p) {
   return sm90_kernel_runs_on(device);
 }
 
+int64_t prefill_sm90_compact_items(const PrefillParams& p) {
+  // Query blocks per head: sum_s ceil(n_s / 128) <= num_seqs * ceil(max_q_len / 128), and,
+  // summing ceil(n / 128) = floor((n + 127) / 128) over the sequences, <= floor((total_q +
+  // 127 num_seqs) / 128). The first bound is the 3-D grid's size, so the compact grid is
+  // never larger; with total_q the excess is under one block per sequence and head.
+  int64_t blocks = int64_t(p.num_seqs) * ceil_div(p.max_q_len, kBlockM);
+  if (p.total_q > 0)
+    blocks = std::min(blocks, (p.total_q + int64_t(kBlockM - 1) * p.num_seqs) / kBlockM);
+  const int64_t items = blocks * p.heads;
+  KMLA_CHECK(items < (int64_t(1) << 31), "prefill_attention_sm90: the compact grid needs ", items,
+             " CTAs (total_q ", p.total_q, ", max_q_len ", p.max_q_len, ", heads ", p.heads,
+             "), more than 2^31 - 1");
+  return items;
+}
+
 void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
                                    cudaStream_t stream) {
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
@@ -907,10 +1092,11 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
-                    unsigned(p.num_seqs));
+    const dim3 grid = opt.compact ? dim3(unsigned(prefill_sm90_compact_items(p)))
+                                  : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
+                                         unsigned(p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   tma);
+                                                   tma, opt.compact);
     KMLA_LAUNCH_CHECK();
   });
 }
