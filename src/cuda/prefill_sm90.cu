@@ -258,11 +258,14 @@ struct CompactItem {
   int q_begin, n, k_begin, m;
 };
 
-// Warp-collective (all 32 lanes of one warp): item `idx` of the order above. Lane l keeps
-// sequences l, l + 32, ... and the first 32 sequences' lengths stay in registers, so the
-// binary search over the cost (log2(max tiles + 1) steps, 7 at 8k keys) costs shuffles, not
-// loads, for batches of up to 32 sequences; more sequences re-read cu_q / cu_k (L1 hits).
-// About 1 + 7 x 5 shuffle rounds after the first loads: well under a microsecond.
+// Warp-collective (all 32 lanes of one warp): item `idx` of the order above. Lane l holds
+// the lengths of sequence l (the first 32 stay in registers; later ones are re-read from
+// cu_q / cu_k, L1 hits). The pair's cost is found by a 32-way search: each lane counts the
+// blocks of at least its own candidate cost over all sequences (a serial loop of shuffles,
+// independent from one sequence to the next), and one ballot keeps the interval between the
+// last candidate that holds and the first that does not. Up to 32 tiles (4k keys) that is
+// one round, up to 1024 (128k keys) two; a binary search instead would chain
+// log2(max tiles + 1) warp reductions of 5 dependent shuffles each (~1 us at 64 tiles).
 __device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int head_group) {
   const bool causal = p.causal;
   const int lane = int(threadIdx.x & 31), S = p.num_seqs;
@@ -278,16 +281,22 @@ __device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int hea
     for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
     return v;
   };
-  // Sum over sequences of f(n, m).
-  auto sum_seqs = [&](auto f) {
-    int acc = lane < S ? f(n0, m0) : 0;
+  // This lane's count of blocks with at least c tiles over all sequences (every lane runs
+  // the loop: the shuffles need the whole warp).
+  auto at_least = [&](int c) {
+    int acc = 0;
+    const int s32 = min(S, 32);
+#pragma unroll 4
+    for (int s = 0; s < s32; ++s)
+      acc += blocks_with_tiles(__shfl_sync(0xffffffffu, n0, s), __shfl_sync(0xffffffffu, m0, s), c,
+                               causal);
 #pragma unroll 1
-    for (int s = 32 + lane; s < S; s += 32) {
+    for (int s = 32; s < S; ++s) {
       int n, m;
       lengths(s, n, m);
-      acc += f(n, m);
+      acc += blocks_with_tiles(n, m, c, causal);
     }
-    return warp_sum(acc);
+    return acc;
   };
   // Query blocks in all and the largest cost (the last block's tiles).
   int total_blocks = 0, max_tiles = 0;
@@ -320,20 +329,26 @@ __device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int hea
     it.seq = 0;
     it.block = (n0 + kBlockM - 1) / kBlockM - 1 - q;
   } else {
-    // The pair's cost c: the largest with at_least(c) > q (at_least(0) = total_blocks > q).
-    auto at_least = [&](int c) {
-      return sum_seqs([&](int n, int m) { return blocks_with_tiles(n, m, c, causal); });
-    };
-    int lo = 0, hi = max_tiles + 1;
+    // The pair's cost: the largest c with at_least(c) > q. Invariant: it holds at lo
+    // (at_least(0) = total_blocks > q) and not at hi, whose count is at_hi; the costs
+    // strictly between are unknown. Candidates lo + 1 + lane * step cover them.
+    int lo = 0, hi = max_tiles + 1, at_hi = 0;
 #pragma unroll 1
     while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (at_least(mid) > q)
-        lo = mid;
-      else
-        hi = mid;
+      const int step = (hi - lo - 1 + 31) / 32;
+      const int c = lo + 1 + lane * step;
+      const int count = c < hi ? at_least(c) : 0;
+      const int k = __popc(__ballot_sync(0xffffffffu, c < hi && count > q));  // a prefix
+      if (k > 0) lo = __shfl_sync(0xffffffffu, c, k - 1);
+      if (k < 32) {
+        const int ck = __shfl_sync(0xffffffffu, c, k), count_k = __shfl_sync(0xffffffffu, count, k);
+        if (ck < hi) {
+          hi = ck;
+          at_hi = count_k;
+        }
+      }
     }
-    q -= at_least(lo + 1);  // place among the pairs of cost exactly lo
+    q -= at_hi;  // place among the pairs of cost exactly lo (at_hi = at_least(lo + 1))
     // The sequence: a warp scan of each sequence's count of cost-lo blocks, 32 at a time.
     // Sequence s's blocks of cost lo are [nb - from, nb - to), taken highest first.
 #pragma unroll 1
