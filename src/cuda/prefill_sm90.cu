@@ -236,7 +236,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 // inside a group the (sequence, block) pairs of the whole batch longest first (ties: lower
 // sequence first, then higher block), heads fastest. For one sequence this is exactly the
 // 3-D grid's order (rank r = block num_blocks - 1 - r), so single-sequence launches see the
-// same CTA sequence as before.
+// same CTA sequence as before. Mode 2 (for A/B timing) keeps the sequences in the caller's
+// order instead, each sequence's items as in the 3-D grid: one warp scan, no search.
 //
 // Query blocks of a sequence of n queries and m keys with at least c key tiles (c = 0: all
 // of them). Causal: block b sees more than x = 128 (c - 1) keys iff its last row
@@ -266,7 +267,8 @@ struct CompactItem {
 // last candidate that holds and the first that does not. Up to 32 tiles (4k keys) that is
 // one round, up to 1024 (128k keys) two; a binary search instead would chain
 // log2(max tiles + 1) warp reductions of 5 dependent shuffles each (~1 us at 64 tiles).
-__device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int head_group) {
+__device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int head_group,
+                                    bool seq_major) {
   const bool causal = p.causal;
   const int lane = int(threadIdx.x & 31), S = p.num_seqs;
   auto lengths = [&](int s, int& n, int& m) {
@@ -320,6 +322,43 @@ __device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int hea
   const int64_t tb = total_blocks;
   if (idx >= tb * p.heads) return it;
   const int G = max(head_group, 1);
+  if (seq_major) {
+    // Sequences in the caller's order, each as in the 3-D grid (its blocks x heads, head
+    // groups, heaviest block first): one warp scan of the items per sequence.
+    int64_t rest = idx;
+#pragma unroll 1
+    for (int s0 = 0; s0 < S; s0 += 32) {
+      const int s = s0 + lane;
+      int n = n0, m = m0;
+      if (s >= 32 && s < S) lengths(s, n, m);
+      const int nb = s < S ? (n + kBlockM - 1) / kBlockM : 0;
+      int incl = nb * p.heads;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      const int chunk = __shfl_sync(0xffffffffu, incl, 31);
+      if (rest < chunk) {
+        const int hit = __ffs(__ballot_sync(0xffffffffu, incl > rest)) - 1;
+        const int lin = int(rest) - __shfl_sync(0xffffffffu, incl - nb * p.heads, hit);
+        const int nbx = __shfl_sync(0xffffffffu, nb, hit);
+        const int g0 = lin / (G * nbx) * G;
+        const int hs = min(G, p.heads - g0);
+        const int r = lin - g0 * nbx;
+        it.seq = s0 + hit;
+        it.head = g0 + r % hs;
+        it.block = nbx - 1 - r / hs;
+        break;
+      }
+      rest -= chunk;
+    }
+    it.q_begin = __ldg(p.cu_q + it.seq);
+    it.n = __ldg(p.cu_q + it.seq + 1) - it.q_begin;
+    it.k_begin = __ldg(p.cu_k + it.seq);
+    it.m = __ldg(p.cu_k + it.seq + 1) - it.k_begin;
+    return it;
+  }
   const int g0 = int(idx / (int64_t(G) * tb)) * G;  // first head of the group
   const int hs = min(G, p.heads - g0);              // heads in this group
   const int64_t r = idx - int64_t(g0) * tb;         // in [0, hs * tb)
@@ -434,7 +473,7 @@ template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
                                   float scale_log2, int head_group, bool pingpong, bool tma,
-                                  bool compact) {
+                                  int compact) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
@@ -450,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (3-D grid) or above compact_item (1-D grid).
   __shared__ int item_smem[6];
   int head, block, q_begin, n, k_begin, m;
-  if (!compact) {
+  if (compact == 0) {
     head = int(blockIdx.y);
     int rank = int(blockIdx.x);  // head_group 0: blocks fastest
     if (head_group > 0) {
@@ -473,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else if (threadIdx.x < 32) {
     // Warp 0 finds the item and hands it to the others through shared memory (published
     // by the __syncthreads below).
-    const CompactItem it = compact_item(p, int64_t(blockIdx.x), head_group);
+    const CompactItem it = compact_item(p, int64_t(blockIdx.x), head_group, compact == 2);
     if (threadIdx.x == 0) {
       item_smem[0] = it.head;
       item_smem[1] = it.block;
@@ -500,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  if (compact) {
+  if (compact != 0) {
     head = item_smem[0];
     block = item_smem[1];
     q_begin = item_smem[2];
@@ -1086,6 +1125,8 @@ int64_t prefill_sm90_compact_items(const PrefillParams& p) {
 
 void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
                                    cudaStream_t stream) {
+  KMLA_CHECK(opt.compact >= 0 && opt.compact <= 2,
+             "prefill_attention_sm90: compact must be 0, 1 or 2, got ", opt.compact);
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
@@ -1107,7 +1148,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid = opt.compact ? dim3(unsigned(prefill_sm90_compact_items(p)))
+    const dim3 grid = opt.compact != 0 ? dim3(unsigned(prefill_sm90_compact_items(p)))
                                   : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
                                          unsigned(p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,

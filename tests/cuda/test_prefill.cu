@@ -87,14 +87,15 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
                   const std::vector<float>& ref_mag, const std::vector<float>& ref_lse,
                   int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride);
 
-// The wgmma kernel's variants that run_case runs (variant -1 .. -9), each one of both
+// The wgmma kernel's variants that run_case runs (variant -1 .. -10), each one of both
 // producers (TMA for whole boxes, the default; or cp.async throughout), so that both stay
 // covered: -1 the defaults (TMA); -2 in order with round 1's CTA order; -3 ping-pong with
 // head groups of 3 (a partial last group for most head counts); -4 ping-pong without the
 // early rescale in groups of 1 (heads-major order), cp.async; -5 round 1's kernel (no
 // ping-pong, late rescale, head after head), cp.async; -6 the defaults with cp.async; -7 in
 // order, cp.async; -8 the defaults on the compact 1-D grid; -9 the compact grid with
-// ping-pong, head groups of 3 and cp.async.
+// ping-pong, head groups of 3 and cp.async; -10 the sequence-major compact grid in head
+// groups of 3.
 cuda::Sm90Options sm90_variant(int variant) {
   cuda::Sm90Options o;  // -1: the defaults
   if (variant == -2) {
@@ -119,12 +120,15 @@ cuda::Sm90Options sm90_variant(int variant) {
     o.overlap = false;
     o.tma = false;
   } else if (variant == -8) {
-    o.compact = true;
+    o.compact = 1;
   } else if (variant == -9) {
-    o.compact = true;
+    o.compact = 1;
     o.pingpong = true;
     o.head_group = 3;
     o.tma = false;
+  } else if (variant == -10) {
+    o.compact = 2;
+    o.head_group = 3;
   }
   return o;
 }
@@ -210,7 +214,7 @@ void run_case(const Case& c) {
   // (its own choice of kernel and tiling); -1..-7: the wgmma kernel's variants (sm90_variant;
   // sm_90 GPUs only).
   const bool sm90 = cuda::prefill_sm90_supported(p);
-  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7, -8, -9}) {
+  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10}) {
     if (rows_per_cta < 0 && !sm90) continue;
     const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
