@@ -567,8 +567,8 @@ bool sm90_allowed_by_env() {
 // makes the consumer warpgroups take turns issuing MMAs, KMLA_PREFILL_SM90_EARLY_RESCALE=0
 // rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
 // the CTA order (0: round 1's heads one after the other), KMLA_PREFILL_SM90_TMA=0 loads every
-// tile with cp.async instead of TMA, KMLA_PREFILL_SM90_COMPACT=1|2 launches the compact 1-D
-// grid (2: sequence-major).
+// tile with cp.async instead of TMA, KMLA_PREFILL_SM90_COMPACT=0 launches the 3-D grid for
+// batches of several sequences too.
 // Unset: the Sm90Options defaults.
 const Sm90Options& sm90_options_from_env() {
   static const Sm90Options opt = [] {
@@ -577,11 +577,7 @@ const Sm90Options& sm90_options_from_env() {
     o.pingpong = env_switch("KMLA_PREFILL_SM90_PINGPONG", o.pingpong);
     o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
     o.tma = env_switch("KMLA_PREFILL_SM90_TMA", o.tma);
-    if (const char* c = std::getenv("KMLA_PREFILL_SM90_COMPACT"); c != nullptr && *c != '\0') {
-      KMLA_CHECK((c[0] == '0' || c[0] == '1' || c[0] == '2') && c[1] == '\0',
-                 "KMLA_PREFILL_SM90_COMPACT must be 0, 1 or 2, got '", c, "'");
-      o.compact = c[0] - '0';
-    }
+    o.compact = env_switch("KMLA_PREFILL_SM90_COMPACT", o.compact);
     const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
     if (env != nullptr && *env != '\0') {
       char* end = nullptr;

@@ -230,199 +230,61 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 }
 
 // ---- the compact grid (Sm90Options::compact) ------------------------------------------
-// A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks.
-// An item's cost is its key tiles, ceil(key_limit(last row) / 128), which never falls as the
-// block index grows. Order, with heads in groups of G as in the 3-D grid: group slowest;
-// inside a group the (sequence, block) pairs of the whole batch longest first (ties: lower
-// sequence first, then higher block), heads fastest. For one sequence this is exactly the
-// 3-D grid's order (rank r = block num_blocks - 1 - r), so single-sequence launches see the
-// same CTA sequence as before. Mode 2 (for A/B timing) keeps the sequences in the caller's
-// order instead, each sequence's items as in the 3-D grid: one warp scan, no search.
-//
-// Query blocks of a sequence of n queries and m keys with at least c key tiles (c = 0: all
-// of them). Causal: block b sees more than x = 128 (c - 1) keys iff its last row
-// min(128 b + 127, n - 1) reaches r = x + n - m (and m > x), i.e. b >= max(r, 0) / 128.
-__device__ __forceinline__ int blocks_with_tiles(int n, int m, int c, bool causal) {
-  if (n <= 0) return 0;
-  const int blocks = (n + kBlockM - 1) / kBlockM;
-  if (c <= 0) return blocks;
-  const int x = (c - 1) * kBlockN;
-  if (m <= x) return 0;
-  if (!causal) return blocks;
-  const int r = x + n - m;
-  if (r > n - 1) return 0;
-  return blocks - max(r, 0) / kBlockM;
-}
-
+// A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks:
+// the sequences in the caller's order, each sequence's items in the 3-D grid's order (its
+// blocks x heads, head groups of G, heaviest block first). One sequence is never launched
+// this way (the host keeps the 3-D grid for it), and the CTAs of a sequence see the same
+// order as before; only the empty CTAs are gone.
 struct CompactItem {
-  int seq, block, head;  // block -1: past the batch's items (the CTA leaves)
+  int block, head;  // block -1: past the batch's items (the CTA leaves)
   int q_begin, n, k_begin, m;
 };
 
-// Warp-collective (all 32 lanes of one warp): item `idx` of the order above. Lane l holds
-// the lengths of sequence l (the first 32 stay in registers; later ones are re-read from
-// cu_q / cu_k, L1 hits). The pair's cost is found by a 32-way search: each lane counts the
-// blocks of at least its own candidate cost over all sequences (a serial loop of shuffles,
-// independent from one sequence to the next), and one ballot keeps the interval between the
-// last candidate that holds and the first that does not. Up to 32 tiles (4k keys) that is
-// one round, up to 1024 (128k keys) two; a binary search instead would chain
-// log2(max tiles + 1) warp reductions of 5 dependent shuffles each (~1 us at 64 tiles).
-__device__ CompactItem compact_item(const PrefillParams& p, int64_t idx, int head_group,
-                                    bool seq_major) {
-  const bool causal = p.causal;
-  const int lane = int(threadIdx.x & 31), S = p.num_seqs;
-  auto lengths = [&](int s, int& n, int& m) {
-    const int qb = __ldg(p.cu_q + s), kb = __ldg(p.cu_k + s);
-    n = __ldg(p.cu_q + s + 1) - qb;
-    m = __ldg(p.cu_k + s + 1) - kb;
-  };
-  int n0 = 0, m0 = 0;  // this lane's sequence among the first 32
-  if (lane < S) lengths(lane, n0, m0);
-  auto warp_sum = [](int v) {
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-    return v;
-  };
-  // This lane's count of blocks with at least c tiles over all sequences (every lane runs
-  // the loop: the shuffles need the whole warp).
-  auto at_least = [&](int c) {
-    int acc = 0;
-    const int s32 = min(S, 32);
-#pragma unroll 4
-    for (int s = 0; s < s32; ++s)
-      acc += blocks_with_tiles(__shfl_sync(0xffffffffu, n0, s), __shfl_sync(0xffffffffu, m0, s), c,
-                               causal);
-#pragma unroll 1
-    for (int s = 32; s < S; ++s) {
-      int n, m;
-      lengths(s, n, m);
-      acc += blocks_with_tiles(n, m, c, causal);
-    }
-    return acc;
-  };
-  // Query blocks in all and the largest cost (the last block's tiles).
-  int total_blocks = 0, max_tiles = 0;
-  {
-    int nb = 0, mt = 0;
-#pragma unroll 1
-    for (int s = lane; s < S; s += 32) {
-      int n = n0, m = m0;
-      if (s >= 32) lengths(s, n, m);
-      if (n > 0) {
-        nb += (n + kBlockM - 1) / kBlockM;
-        mt = max(mt, (key_limit(n - 1, n, m, causal) + kBlockN - 1) / kBlockN);
-      }
-    }
-    total_blocks = warp_sum(nb);
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) mt = max(mt, __shfl_xor_sync(0xffffffffu, mt, d));
-    max_tiles = mt;
-  }
-  CompactItem it{0, -1, 0, 0, 0, 0, 0};
-  const int64_t tb = total_blocks;
-  if (idx >= tb * p.heads) return it;
+// Warp-collective (all 32 lanes of one warp, every shuffle reached by all of them: no
+// collective sits under a lane-dependent branch): item `idx` of the order above. Lane l reads
+// the lengths of sequences l, l + 32, ...; an inclusive warp scan of each sequence's item
+// count (blocks x heads) finds the sequence, 32 sequences per round (one round for up to 32
+// sequences: two dependent loads of cu_q / cu_k and ~10 shuffles, about what the 3-D grid's
+// CTA spends on its own two loads).
+__device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_group) {
+  const int lane = int(threadIdx.x & 31), S = p.num_seqs, H = p.heads;
   const int G = max(head_group, 1);
-  if (seq_major) {
-    // Sequences in the caller's order, each as in the 3-D grid (its blocks x heads, head
-    // groups, heaviest block first): one warp scan of the items per sequence.
-    int64_t rest = idx;
+  CompactItem it{-1, 0, 0, 0, 0, 0};
+  int rest = idx;  // items before this one in the sequences not yet passed
 #pragma unroll 1
-    for (int s0 = 0; s0 < S; s0 += 32) {
-      const int s = s0 + lane;
-      int n = n0, m = m0;
-      if (s >= 32 && s < S) lengths(s, n, m);
-      const int nb = s < S ? (n + kBlockM - 1) / kBlockM : 0;
-      int incl = nb * p.heads;
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    int n = 0;
+    if (s < S) n = __ldg(p.cu_q + s + 1) - __ldg(p.cu_q + s);
+    const int nb = (max(n, 0) + kBlockM - 1) / kBlockM;
+    const int items = nb * H;
+    int incl = items;
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-      }
-      const int chunk = __shfl_sync(0xffffffffu, incl, 31);
-      if (rest < chunk) {
-        const int hit = __ffs(__ballot_sync(0xffffffffu, incl > rest)) - 1;
-        const int lin = int(rest) - __shfl_sync(0xffffffffu, incl - nb * p.heads, hit);
-        const int nbx = __shfl_sync(0xffffffffu, nb, hit);
-        const int g0 = lin / (G * nbx) * G;
-        const int hs = min(G, p.heads - g0);
-        const int r = lin - g0 * nbx;
-        it.seq = s0 + hit;
-        it.head = g0 + r % hs;
-        it.block = nbx - 1 - r / hs;
-        break;
-      }
-      rest -= chunk;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
     }
-    it.q_begin = __ldg(p.cu_q + it.seq);
-    it.n = __ldg(p.cu_q + it.seq + 1) - it.q_begin;
-    it.k_begin = __ldg(p.cu_k + it.seq);
-    it.m = __ldg(p.cu_k + it.seq + 1) - it.k_begin;
-    return it;
+    const int chunk = __shfl_sync(0xffffffffu, incl, 31);
+    const unsigned hits = __ballot_sync(0xffffffffu, incl > rest);
+    if (hits != 0u) {  // warp-uniform: the item is in this round's sequences
+      const int hit = __ffs(int(hits)) - 1;
+      const int lin = rest - __shfl_sync(0xffffffffu, incl - items, hit);
+      const int nbx = __shfl_sync(0xffffffffu, nb, hit);
+      const int g0 = lin / (G * nbx) * G;  // first head of the group
+      const int hs = min(G, H - g0);       // heads in this group
+      const int r = lin - g0 * nbx;        // in [0, hs * nbx)
+      const int seq = s0 + hit;
+      it.head = g0 + r % hs;
+      it.block = nbx - 1 - r / hs;
+      it.q_begin = __ldg(p.cu_q + seq);
+      it.n = __ldg(p.cu_q + seq + 1) - it.q_begin;
+      it.k_begin = __ldg(p.cu_k + seq);
+      it.m = __ldg(p.cu_k + seq + 1) - it.k_begin;
+      return it;
+    }
+    rest -= chunk;
   }
-  const int g0 = int(idx / (int64_t(G) * tb)) * G;  // first head of the group
-  const int hs = min(G, p.heads - g0);              // heads in this group
-  const int64_t r = idx - int64_t(g0) * tb;         // in [0, hs * tb)
-  it.head = g0 + int(r % hs);
-  int q = int(r / hs);  // place of the (sequence, block) pair in the longest-first order
-  if (S == 1) {
-    it.seq = 0;
-    it.block = (n0 + kBlockM - 1) / kBlockM - 1 - q;
-  } else {
-    // The pair's cost: the largest c with at_least(c) > q. Invariant: it holds at lo
-    // (at_least(0) = total_blocks > q) and not at hi, whose count is at_hi; the costs
-    // strictly between are unknown. Candidates lo + 1 + lane * step cover them.
-    int lo = 0, hi = max_tiles + 1, at_hi = 0;
-#pragma unroll 1
-    while (hi - lo > 1) {
-      const int step = (hi - lo - 1 + 31) / 32;
-      const int c = lo + 1 + lane * step;
-      const int count = c < hi ? at_least(c) : 0;
-      const int k = __popc(__ballot_sync(0xffffffffu, c < hi && count > q));  // a prefix
-      if (k > 0) lo = __shfl_sync(0xffffffffu, c, k - 1);
-      if (k < 32) {
-        const int ck = __shfl_sync(0xffffffffu, c, k), count_k = __shfl_sync(0xffffffffu, count, k);
-        if (ck < hi) {
-          hi = ck;
-          at_hi = count_k;
-        }
-      }
-    }
-    q -= at_hi;  // place among the pairs of cost exactly lo (at_hi = at_least(lo + 1))
-    // The sequence: a warp scan of each sequence's count of cost-lo blocks, 32 at a time.
-    // Sequence s's blocks of cost lo are [nb - from, nb - to), taken highest first.
-#pragma unroll 1
-    for (int s0 = 0; s0 < S; s0 += 32) {
-      const int s = s0 + lane;
-      int n = n0, m = m0, count = 0, last = 0;
-      if (s >= 32 && s < S) lengths(s, n, m);
-      if (s < S) {
-        const int from = blocks_with_tiles(n, m, lo, causal);
-        const int to = blocks_with_tiles(n, m, lo + 1, causal);
-        count = from - to;
-        last = (n + kBlockM - 1) / kBlockM - to - 1;
-      }
-      int incl = count;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-      }
-      const int chunk = __shfl_sync(0xffffffffu, incl, 31);
-      if (q < chunk) {
-        const int hit = __ffs(__ballot_sync(0xffffffffu, incl > q)) - 1;
-        const int before = __shfl_sync(0xffffffffu, incl - count, hit);
-        it.seq = s0 + hit;
-        it.block = __shfl_sync(0xffffffffu, last, hit) - (q - before);
-        break;
-      }
-      q -= chunk;
-    }
-  }
-  it.q_begin = __ldg(p.cu_q + it.seq);
-  it.n = __ldg(p.cu_q + it.seq + 1) - it.q_begin;
-  it.k_begin = __ldg(p.cu_k + it.seq);
-  it.m = __ldg(p.cu_k + it.seq + 1) - it.k_begin;
-  return it;
+  return it;  // idx past the batch's items
 }
 
 #endif  // KMLA_SM90_DEVICE
@@ -473,7 +335,7 @@ template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
                                   float scale_log2, int head_group, bool pingpong, bool tma,
-                                  int compact) {
+                                  bool compact) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
@@ -489,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (3-D grid) or above compact_item (1-D grid).
   __shared__ int item_smem[6];
   int head, block, q_begin, n, k_begin, m;
-  if (compact == 0) {
+  if (!compact) {
     head = int(blockIdx.y);
     int rank = int(blockIdx.x);  // head_group 0: blocks fastest
     if (head_group > 0) {
@@ -512,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else if (threadIdx.x < 32) {
     // Warp 0 finds the item and hands it to the others through shared memory (published
     // by the __syncthreads below).
-    const CompactItem it = compact_item(p, int64_t(blockIdx.x), head_group, compact == 2);
+    const CompactItem it = compact_item(p, int(blockIdx.x), head_group);
     if (threadIdx.x == 0) {
       item_smem[0] = it.head;
       item_smem[1] = it.block;
@@ -539,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  if (compact != 0) {
+  if (compact) {
     head = item_smem[0];
     block = item_smem[1];
     q_begin = item_smem[2];
@@ -1125,14 +987,15 @@ int64_t prefill_sm90_compact_items(const PrefillParams& p) {
 
 void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
                                    cudaStream_t stream) {
-  KMLA_CHECK(opt.compact >= 0 && opt.compact <= 2,
-             "prefill_attention_sm90: compact must be 0, 1 or 2, got ", opt.compact);
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
              "prefill_attention_sm90: head_group must be in [0, 128], got ", opt.head_group);
   const int head_group = std::min(opt.head_group, p.heads);  // lin below stays far from 2^31
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
   const bool tma = opt.tma && tma_supports(p);
+  // One sequence keeps the 3-D grid: the same CTAs in the same order, without the compact
+  // grid's search in front of every CTA.
+  const bool compact = opt.compact && p.num_seqs > 1;
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
   if (tma) {
@@ -1148,11 +1011,11 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid = opt.compact != 0 ? dim3(unsigned(prefill_sm90_compact_items(p)))
-                                  : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
-                                         unsigned(p.heads), unsigned(p.num_seqs));
+    const dim3 grid = compact ? dim3(unsigned(prefill_sm90_compact_items(p)))
+                              : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
+                                     unsigned(p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   tma, opt.compact);
+                                                   tma, compact);
     KMLA_LAUNCH_CHECK();
   });
 }
