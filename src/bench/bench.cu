@@ -407,6 +407,7 @@ Result run_prefill(const Case& c, Context& ctx) {
   p.cu_k = p.cu_q;
   p.num_seqs = int(lengths.size());
   p.max_q_len = *std::max_element(lengths.begin(), lengths.end());
+  p.total_q = t;
   p.causal = c.causal;
   p.softmax_scale = float(1.0 / std::sqrt(double(kQkHeadDim)));
   p.act = DType::bf16;

@@ -134,6 +134,11 @@ struct PrefillParams {
   const int32_t* cu_k = nullptr;
   int num_seqs = 0;
   int max_q_len = 0;  // host-side bound for the grid
+  // Host-side bound on the query rows of all sequences, cu_q[num_seqs] - cu_q[0], for the
+  // wgmma prefill's compact grid (which has no CTA for the query blocks a sequence lacks);
+  // 0: not known (the grid is then sized from max_q_len alone). Like max_q_len a contract:
+  // blocks past a bound that is too small are not computed.
+  int64_t total_q = 0;
   bool causal = true;
   float softmax_scale = 1.0f;
   DType act = DType::bf16;

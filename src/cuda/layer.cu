@@ -712,6 +712,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
         pp.cu_k = cu_k;
         pp.num_seqs = nseq;
         pp.max_q_len = max_q;
+        pp.total_q = Tp;  // new tokens and context chunks both query prefill rows
         pp.causal = causal;
         pp.softmax_scale = scale;
         pp.act = act;

@@ -495,6 +495,8 @@ bool check_params(const PrefillParams& p) {
   KMLA_CHECK(p.num_seqs >= 0 && p.num_seqs <= 65535,
              "prefill_attention: num_seqs must be in [0, 65535], got ", p.num_seqs);
   KMLA_CHECK(p.max_q_len >= 0, "prefill_attention: max_q_len must be >= 0, got ", p.max_q_len);
+  KMLA_CHECK(p.total_q >= 0 && p.total_q <= INT32_MAX,  // cu_q is int32
+             "prefill_attention: total_q must be in [0, 2^31 - 1] (0: not known), got ", p.total_q);
   KMLA_CHECK(ceil_div(p.max_q_len, 64) <= 65535,  // grid.y for the smaller tiling
              "prefill_attention: max_q_len too large: ", p.max_q_len);
   // The running max is kept in raw score units, which needs a positive scale.
@@ -565,7 +567,8 @@ bool sm90_allowed_by_env() {
 // makes the consumer warpgroups take turns issuing MMAs, KMLA_PREFILL_SM90_EARLY_RESCALE=0
 // rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
 // the CTA order (0: round 1's heads one after the other), KMLA_PREFILL_SM90_TMA=0 loads every
-// tile with cp.async instead of TMA.
+// tile with cp.async instead of TMA, KMLA_PREFILL_SM90_COMPACT=0 launches the 3-D grid for
+// batches of several sequences too.
 // Unset: the Sm90Options defaults.
 const Sm90Options& sm90_options_from_env() {
   static const Sm90Options opt = [] {
@@ -574,6 +577,7 @@ const Sm90Options& sm90_options_from_env() {
     o.pingpong = env_switch("KMLA_PREFILL_SM90_PINGPONG", o.pingpong);
     o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
     o.tma = env_switch("KMLA_PREFILL_SM90_TMA", o.tma);
+    o.compact = env_switch("KMLA_PREFILL_SM90_COMPACT", o.compact);
     const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
     if (env != nullptr && *env != '\0') {
       char* end = nullptr;

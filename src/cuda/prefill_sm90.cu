@@ -229,6 +229,64 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
   return causal ? min(max(m - n + row + 1, 0), m) : m;
 }
 
+// ---- the compact grid (Sm90Options::compact) ------------------------------------------
+// A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks:
+// the sequences in the caller's order, each sequence's items in the 3-D grid's order (its
+// blocks x heads, head groups of G, heaviest block first). One sequence is never launched
+// this way (the host keeps the 3-D grid for it), and the CTAs of a sequence see the same
+// order as before; only the empty CTAs are gone.
+struct CompactItem {
+  int block, head;  // block -1: past the batch's items (the CTA leaves)
+  int q_begin, n, k_begin, m;
+};
+
+// Warp-collective (all 32 lanes of one warp, every shuffle reached by all of them: no
+// collective sits under a lane-dependent branch): item `idx` of the order above. Lane l reads
+// the lengths of sequences l, l + 32, ...; an inclusive warp scan of each sequence's item
+// count (blocks x heads) finds the sequence, 32 sequences per round (one round for up to 32
+// sequences: two dependent loads of cu_q / cu_k and ~10 shuffles, about what the 3-D grid's
+// CTA spends on its own two loads).
+__device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_group) {
+  const int lane = int(threadIdx.x & 31), S = p.num_seqs, H = p.heads;
+  const int G = max(head_group, 1);
+  CompactItem it{-1, 0, 0, 0, 0, 0};
+  int rest = idx;  // items before this one in the sequences not yet passed
+#pragma unroll 1
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    int n = 0;
+    if (s < S) n = __ldg(p.cu_q + s + 1) - __ldg(p.cu_q + s);
+    const int nb = (max(n, 0) + kBlockM - 1) / kBlockM;
+    const int items = nb * H;
+    int incl = items;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int chunk = __shfl_sync(0xffffffffu, incl, 31);
+    const unsigned hits = __ballot_sync(0xffffffffu, incl > rest);
+    if (hits != 0u) {  // warp-uniform: the item is in this round's sequences
+      const int hit = __ffs(int(hits)) - 1;
+      const int lin = rest - __shfl_sync(0xffffffffu, incl - items, hit);
+      const int nbx = __shfl_sync(0xffffffffu, nb, hit);
+      const int g0 = lin / (G * nbx) * G;  // first head of the group
+      const int hs = min(G, H - g0);       // heads in this group
+      const int r = lin - g0 * nbx;        // in [0, hs * nbx)
+      const int seq = s0 + hit;
+      it.head = g0 + r % hs;
+      it.block = nbx - 1 - r / hs;
+      it.q_begin = __ldg(p.cu_q + seq);
+      it.n = __ldg(p.cu_q + seq + 1) - it.q_begin;
+      it.k_begin = __ldg(p.cu_k + seq);
+      it.m = __ldg(p.cu_k + seq + 1) - it.k_begin;
+      return it;
+    }
+    rest -= chunk;
+  }
+  return it;  // idx past the batch's items
+}
+
 #endif  // KMLA_SM90_DEVICE
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -276,7 +334,8 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
 template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
-                                  float scale_log2, int head_group, bool pingpong, bool tma) {
+                                  float scale_log2, int head_group, bool pingpong, bool tma,
+                                  bool compact) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
@@ -288,29 +347,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
-  // Which (head, query block) this CTA takes: see the grid order above the kernel.
-  int head = int(blockIdx.y), rank = int(blockIdx.x);  // head_group 0: blocks fastest
-  if (head_group > 0) {
-    const int nbx = int(gridDim.x);
-    const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
-    const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
-    const int hs = min(head_group, p.heads - g0);             // heads in this group
-    const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
-    head = g0 + r % hs;
-    rank = r / hs;
+  // Which (head, query block, sequence) this CTA takes: see the grid order above the kernel
+  // (3-D grid) or above compact_item (1-D grid).
+  __shared__ int item_smem[6];
+  int head, block, q_begin, n, k_begin, m;
+  if (!compact) {
+    head = int(blockIdx.y);
+    int rank = int(blockIdx.x);  // head_group 0: blocks fastest
+    if (head_group > 0) {
+      const int nbx = int(gridDim.x);
+      const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
+      const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
+      const int hs = min(head_group, p.heads - g0);             // heads in this group
+      const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
+      head = g0 + r % hs;
+      rank = r / hs;
+    }
+    const int seq = blockIdx.z;
+    q_begin = p.cu_q[seq];
+    n = p.cu_q[seq + 1] - q_begin;
+    k_begin = p.cu_k[seq];
+    m = p.cu_k[seq + 1] - k_begin;
+    const int num_blocks = (n + kBlockM - 1) / kBlockM;
+    block = num_blocks - 1 - rank;
+    if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
+  } else if (threadIdx.x < 32) {
+    // Warp 0 finds the item and hands it to the others through shared memory (published
+    // by the __syncthreads below).
+    const CompactItem it = compact_item(p, int(blockIdx.x), head_group);
+    if (threadIdx.x == 0) {
+      item_smem[0] = it.head;
+      item_smem[1] = it.block;
+      item_smem[2] = it.q_begin;
+      item_smem[3] = it.n;
+      item_smem[4] = it.k_begin;
+      item_smem[5] = it.m;
+    }
   }
-  const int seq = blockIdx.z;
-  const int q_begin = p.cu_q[seq];
-  const int n = p.cu_q[seq + 1] - q_begin;
-  const int k_begin = p.cu_k[seq];
-  const int m = p.cu_k[seq + 1] - k_begin;
-  const int num_blocks = (n + kBlockM - 1) / kBlockM;
-  const int block = num_blocks - 1 - rank;
-  if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
-  const int q0 = block * kBlockM;
-  const bool causal = p.causal;
-  const int last_row = min(q0 + kBlockM, n) - 1;
-  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: producer
@@ -328,6 +401,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  if (compact) {
+    head = item_smem[0];
+    block = item_smem[1];
+    q_begin = item_smem[2];
+    n = item_smem[3];
+    k_begin = item_smem[4];
+    m = item_smem[5];
+    if (block < 0) return;  // past the batch's items (uniform: the whole CTA leaves)
+  }
+  const int q0 = block * kBlockM;
+  const bool causal = p.causal;
+  const int last_row = min(q0 + kBlockM, n) - 1;
+  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
 
   // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
   // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
@@ -726,7 +812,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #else
   (void)p, (void)maps;
-  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)compact;
 #endif
 }
 
@@ -884,6 +970,21 @@ bool prefill_sm90_supported(const PrefillParams& p) {
   return sm90_kernel_runs_on(device);
 }
 
+int64_t prefill_sm90_compact_items(const PrefillParams& p) {
+  // Query blocks per head: sum_s ceil(n_s / 128) <= num_seqs * ceil(max_q_len / 128), and,
+  // summing ceil(n / 128) = floor((n + 127) / 128) over the sequences, <= floor((total_q +
+  // 127 num_seqs) / 128). The first bound is the 3-D grid's size, so the compact grid is
+  // never larger; with total_q the excess is under one block per sequence and head.
+  int64_t blocks = int64_t(p.num_seqs) * ceil_div(p.max_q_len, kBlockM);
+  if (p.total_q > 0)
+    blocks = std::min(blocks, (p.total_q + int64_t(kBlockM - 1) * p.num_seqs) / kBlockM);
+  const int64_t items = blocks * p.heads;
+  KMLA_CHECK(items < (int64_t(1) << 31), "prefill_attention_sm90: the compact grid needs ", items,
+             " CTAs (total_q ", p.total_q, ", max_q_len ", p.max_q_len, ", heads ", p.heads,
+             "), more than 2^31 - 1");
+  return items;
+}
+
 void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
                                    cudaStream_t stream) {
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
@@ -892,6 +993,9 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   static_assert(kBlockM == kBlockN, "one box shape serves Q and the K/V tiles");
   const bool tma = opt.tma && tma_supports(p);
+  // One sequence keeps the 3-D grid: the same CTAs in the same order, without the compact
+  // grid's search in front of every CTA.
+  const bool compact = opt.compact && p.num_seqs > 1;
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
   if (tma) {
@@ -907,10 +1011,11 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
-                    unsigned(p.num_seqs));
+    const dim3 grid = compact ? dim3(unsigned(prefill_sm90_compact_items(p)))
+                              : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
+                                     unsigned(p.heads), unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   tma);
+                                                   tma, compact);
     KMLA_LAUNCH_CHECK();
   });
 }

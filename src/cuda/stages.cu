@@ -127,6 +127,7 @@ void prefill_attention(const TensorView& q, const TensorView& k, const TensorVie
   p.cu_k = cu_k.as<const int32_t>();
   p.num_seqs = int(cu_q.dim(0) - 1);
   p.max_q_len = max_q_len;
+  p.total_q = Tq;  // every sequence's rows lie in q's Tq rows
   p.causal = causal;
   p.softmax_scale = float(softmax_scale);
   p.act = act;

@@ -46,12 +46,12 @@ uint16_t act_nan(DType act) { return act == DType::bf16 ? 0x7fc0 : 0x7e00; }
 
 using HostOperand = test::PrefillOperand<uint16_t>;
 
-// Fills rows [0, rows) of `o` with act-rounded N(0, gain^2) values (a shared operand,
+// Fills rows [first, rows) of `o` with act-rounded N(0, gain^2) values (a shared operand,
 // head_stride 0, is filled once).
-void fill_random(const HostOperand& o, int64_t rows, int heads, float gain, DType act,
-                 Random& rng) {
+void fill_random(const HostOperand& o, int64_t first, int64_t rows, int heads, float gain,
+                 DType act, Random& rng) {
   const int hs = o.head_stride == 0 ? 1 : heads;
-  for (int64_t t = 0; t < rows; ++t)
+  for (int64_t t = first; t < rows; ++t)
     for (int h = 0; h < hs; ++h)
       for (int d = 0; d < o.width; ++d)
         (*o.buf)[size_t(o.at(t, h, d))] = act_code(float(rng.normal()) * gain, act);
@@ -66,6 +66,8 @@ struct Case {
   bool shared_rope = true;     // k_rope head_stride 0
   bool layer_strides = false;  // the layer's operand layout (see below) instead of dense ones
   int extra_max_q = 0;         // max_q_len passed = longest query run + this (a loose bound)
+  int lead_rows = 0;           // NaN rows before the first sequence (cu_q[0] = cu_k[0] = this)
+  int64_t total_q = -1;        // PrefillParams::total_q: -1 the exact sum of q_lens, else this
   uint64_t seed = 1;
 };
 
@@ -86,17 +88,19 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
                   int64_t out_row_stride, int64_t out_head_stride, int64_t lse_row_stride);
 
 // The wgmma kernel's variants that run_case runs (variant -1 .. -7), each one of both
-// producers (TMA for whole boxes, the default; or cp.async throughout), so that both stay
-// covered: -1 the defaults (TMA); -2 in order with round 1's CTA order; -3 ping-pong with
-// head groups of 3 (a partial last group for most head counts); -4 ping-pong without the
-// early rescale in groups of 1 (heads-major order), cp.async; -5 round 1's kernel (no
-// ping-pong, late rescale, head after head), cp.async; -6 the defaults with cp.async; -7 in
-// order, cp.async.
+// producers (TMA for whole boxes, the default; or cp.async throughout) and of both grids for
+// several sequences (the compact 1-D grid, the default, or the 3-D grid), so that all stay
+// covered: -1 the defaults (TMA, compact); -2 in order with round 1's CTA order, 3-D grid;
+// -3 ping-pong with head groups of 3 (a partial last group for most head counts); -4
+// ping-pong without the early rescale in groups of 1 (heads-major order), cp.async; -5
+// round 1's kernel (no ping-pong, late rescale, head after head), cp.async, 3-D grid; -6 the
+// defaults with cp.async; -7 in order, cp.async, 3-D grid.
 cuda::Sm90Options sm90_variant(int variant) {
   cuda::Sm90Options o;  // -1: the defaults
   if (variant == -2) {
     o.overlap = false;
     o.head_group = 0;
+    o.compact = false;
   } else if (variant == -3) {
     o.pingpong = true;
     o.head_group = 3;
@@ -110,11 +114,13 @@ cuda::Sm90Options sm90_variant(int variant) {
     o.early_rescale = false;
     o.head_group = 0;
     o.tma = false;
+    o.compact = false;
   } else if (variant == -6) {
     o.tma = false;
   } else if (variant == -7) {
     o.overlap = false;
     o.tma = false;
+    o.compact = false;
   }
   return o;
 }
@@ -124,7 +130,9 @@ void run_case(const Case& c) {
   const int H = c.heads;
   const std::vector<int>& k_lens = c.k_lens.empty() ? c.q_lens : c.k_lens;
   ASSERT_EQ(k_lens.size(), c.q_lens.size());
-  const std::vector<int32_t> cu_q = seq_offsets(c.q_lens), cu_k = seq_offsets(k_lens);
+  std::vector<int32_t> cu_q = seq_offsets(c.q_lens), cu_k = seq_offsets(k_lens);
+  for (int32_t& x : cu_q) x += c.lead_rows;
+  for (int32_t& x : cu_k) x += c.lead_rows;
   const int64_t Tq = cu_q.back(), Tk = cu_k.back();
   const int64_t q_rows = Tq + kPadRows, k_rows = Tk + kPadRows;
 
@@ -136,10 +144,10 @@ void run_case(const Case& c) {
   Random rng(c.seed);
   // q twice as large as k spreads the scaled scores (std ~2) so the softmax is far from flat
   // and the running max changes from tile to tile.
-  fill_random(q, Tq, H, 2.0f, c.act, rng);
-  fill_random(k_nope, Tk, H, 1.0f, c.act, rng);
-  fill_random(k_rope, Tk, H, 1.0f, c.act, rng);
-  fill_random(v, Tk, H, 1.0f, c.act, rng);
+  fill_random(q, c.lead_rows, Tq, H, 2.0f, c.act, rng);
+  fill_random(k_nope, c.lead_rows, Tk, H, 1.0f, c.act, rng);
+  fill_random(k_rope, c.lead_rows, Tk, H, 1.0f, c.act, rng);
+  fill_random(v, c.lead_rows, Tk, H, 1.0f, c.act, rng);
 
   // The reference's dense fp32 operands (the same act values), and |v| for the error bound.
   std::vector<float> qf(size_t(Tq * H * kQk)), kf(size_t(Tk * H * kQk));
@@ -190,6 +198,7 @@ void run_case(const Case& c) {
   test::PrefillBuffers<uint16_t> dev(lay, H, cu_q, cu_k, q_rows);
   cuda::PrefillParams& p = dev.params;
   p.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end()) + c.extra_max_q;
+  p.total_q = c.total_q < 0 ? Tq - c.lead_rows : c.total_q;
   p.causal = c.causal;
   p.softmax_scale = scale;
   p.act = c.act;
@@ -205,7 +214,8 @@ void run_case(const Case& c) {
                      ? "wgmma kernel (sm90) overlap " + std::to_string(opt.overlap) + " pingpong " +
                            std::to_string(opt.pingpong) + " early_rescale " +
                            std::to_string(opt.early_rescale) + " head_group " +
-                           std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma)
+                           std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma) +
+                           " compact " + std::to_string(opt.compact)
                      : "rows_per_cta " + std::to_string(rows_per_cta));
     dev.out.fill_bytes(0xFF);
     dev.lse.fill_bytes(0xFF);
@@ -426,6 +436,105 @@ TEST(CudaPrefill, ManyShortSequences) {
     }
 }
 
+// The compact grid's adversarial batch: sequences of 0, 1, 2, 127, 128, 129, 255 and 1025
+// queries (around the 128-row block and key tile) in a random order (empty sequences
+// between others, whose scan entries are 0); some with context in front (m > n); NaN rows in
+// front of the first sequence (cu_q[0] > 0) and after the last; 3 and 16 heads (a partial
+// head group of 3 heads for the default groups of 8, and two whole groups). At 3 heads
+// total_q exact, loose (CTAs past the items must leave without writing) and unknown (0:
+// sized from max_q_len); at 16 heads exact only (the CPU reference dominates the run time).
+TEST(CudaPrefill, CompactGridVarlen) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 300;
+  for (int heads : {3, 16})
+    for (bool causal : {true, false}) {
+      Random rng(++seed);
+      std::vector<int> lens = {0, 1, 2, 127, 128, 129, 255, 1025};
+      for (size_t i = lens.size() - 1; i > 0; --i)
+        std::swap(lens[i], lens[size_t(rng.below(uint64_t(i + 1)))]);
+      Case c;
+      c.causal = causal;
+      c.heads = heads;
+      c.q_lens = lens;
+      for (size_t i = 0; i < lens.size(); ++i)
+        c.k_lens.push_back(lens[i] + (i % 3 == 1 ? 1 + int(rng.below(300)) : 0));
+      c.lead_rows = 37;
+      c.shared_rope = heads == 3;
+      c.seed = ++seed;
+      for (int64_t total_q : {int64_t(-1), int64_t(4000), int64_t(0)}) {
+        if (heads == 16 && total_q != -1) continue;
+        c.total_q = total_q;
+        SCOPED_TRACE("total_q " + std::to_string(total_q));
+        run_case(c);
+      }
+    }
+}
+
+// A batch whose query blocks fill the compact grid's bound exactly (every length 1 mod 128,
+// so sum ceil(n / 128) = floor((total + 127 num_seqs) / 128)): the grid's last CTA holds a
+// real item, and an off-by-one in either the bound or the item order loses a block.
+TEST(CudaPrefill, CompactGridFullBound) {
+  KMLA_REQUIRE_GPU();
+  for (bool causal : {true, false}) {
+    Case c;
+    c.causal = causal;
+    c.heads = 5;
+    c.q_lens = {129, 1, 1025, 257};
+    c.k_lens = {129, 130, 1025, 257};
+    c.seed = causal ? 401 : 402;
+    run_case(c);
+  }
+}
+
+// The compact grid's size is host arithmetic on the plan (no GPU): the bound, its exact hit,
+// the max_q_len bound when that is tighter or total_q unknown, and the 2^31 limit.
+TEST(CudaPrefill, CompactGridSize) {
+  cuda::PrefillParams p;
+  p.heads = 5;
+  p.num_seqs = 4;
+  p.max_q_len = 1025;
+  p.total_q = 129 + 1 + 1025 + 257;  // blocks 2 + 1 + 9 + 3 = 15 = (1412 + 4 * 127) / 128
+  EXPECT_EQ(cuda::prefill_sm90_compact_items(p), 5 * 15);
+  p.total_q = 0;  // unknown: 4 sequences x 9 blocks
+  EXPECT_EQ(cuda::prefill_sm90_compact_items(p), 5 * 36);
+  p.total_q = 4 * 1025 + 1000;  // a loose total: max_q_len's bound is the tighter one
+  EXPECT_EQ(cuda::prefill_sm90_compact_items(p), 5 * 36);
+  p.num_seqs = 1;  // one sequence: the 3-D grid's CTAs exactly
+  p.max_q_len = 8192;
+  p.total_q = 8192;
+  EXPECT_EQ(cuda::prefill_sm90_compact_items(p), 5 * 64);
+  // Random batches: the bound covers every real item and exceeds them by less than one
+  // block per sequence and head.
+  Random rng(500);
+  for (int trial = 0; trial < 200; ++trial) {
+    p.heads = 1 + int(rng.below(128));
+    p.num_seqs = 1 + int(rng.below(40));
+    int64_t total = 0, blocks = 0;
+    int longest = 0;
+    for (int s = 0; s < p.num_seqs; ++s) {
+      const int n = rng.below(4) == 0 ? int(rng.below(3)) : int(rng.below(5000));
+      total += n;
+      blocks += (n + 127) / 128;
+      longest = std::max(longest, n);
+    }
+    p.max_q_len = longest + int(rng.below(2)) * int(rng.below(300));  // exact or loose
+    p.total_q = total;
+    const int64_t items = cuda::prefill_sm90_compact_items(p), real = blocks * p.heads;
+    EXPECT_GE(items, real) << "trial " << trial;
+    EXPECT_LT(items, real + int64_t(p.num_seqs) * p.heads) << "trial " << trial;
+  }
+  p.heads = 128;
+  p.num_seqs = 65535;
+  p.max_q_len = 1 << 20;
+  p.total_q = 0;
+  try {
+    (void)cuda::prefill_sm90_compact_items(p);
+    ADD_FAILURE() << "no error for a compact grid above 2^31 - 1 CTAs";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("compact grid"), std::string::npos) << e.what();
+  }
+}
+
 // The public entry point's kernel and tiling (printed so that a benchmark log says which ran).
 TEST(CudaPrefill, TilingChoice) {
   KMLA_REQUIRE_GPU();
@@ -495,6 +604,9 @@ TEST(CudaPrefill, RejectsBadArguments) {
   p = valid();
   p.act = DType::f32;
   expect_error(p, "bf16 or f16");
+  p = valid();
+  p.total_q = -1;
+  expect_error(p, "total_q");
   try {
     cuda::prefill_attention_rows(valid(), 96, nullptr);
     ADD_FAILURE() << "no error for rows_per_cta 96";
