@@ -73,6 +73,13 @@ struct DecodePlan {
   // fp8_ds_mla where it fits (KMLA_FP8_CTAS=2 keeps 2) and 2 otherwise, and sizes the
   // splits / workers for that many CTA slots per SM.
   int fp8_ctas_per_sm = 2;
+  // The 16-row kernel's key pipeline over a bf16 cache (other kernels ignore both): `ring`
+  // keeps five 16-key half-tile slots instead of two 32-key stages (1.5 tiles in flight
+  // instead of 1, still two CTAs per SM), `l2_prefetch` asks L2 for the rows two tile
+  // periods ahead of their copies. Change the speed, never the arithmetic. plan_decode reads
+  // KMLA_DECODE_RING=0|1 and KMLA_DECODE_L2PF=0|1 (default 0); callers may set them.
+  bool ring = false;
+  bool l2_prefetch = false;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
   // bitwise the same whatever else is in the batch. num_splits is then the grid's split
@@ -90,7 +97,8 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
-// KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans). `format` is the
+// KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
+// KMLA_DECODE_RING=0|1, KMLA_DECODE_L2PF=0|1 (all plans: speed only). `format` is the
 // cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,

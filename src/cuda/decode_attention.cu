@@ -154,6 +154,55 @@ __host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, 
   return s;
 }
 
+// ---- the half-tile ring (16-row kernel, bf16 cache; DecodePlan::ring) -----------------
+// The 2-stage kernel holds one 32-key tile in flight while it computes the other: 36,864 B
+// per CTA, ~74 KB per SM at two CTAs. A third 32-key stage does not fit next to Q at two
+// CTAs per SM: the budget is 233,472 / 2 - 1,024 reserved = 115,712 B per CTA, and Q +
+// 3 stages is 18,432 + 110,592 = 129,024 B. Five 16-key slots do:
+//   Q 18,432 + 5 x 18,432 = 92,160 + P 1,280 + flags 80 + reductions 512 = 112,464 B
+//   (2 x (112,464 + 1,024) = 226,976 <= 233,472: two CTAs per SM still fit).
+// Compute stays on 32-key tiles; tile t is half-tiles 2t (keys 0-15) and 2t + 1 (keys
+// 16-31) in slots (2t) % 5 and (2t + 1) % 5. While tile t is computed, halves 2t + 2, 2t + 3
+// and 2t + 4 are in flight or landed: 1.5 tiles, 55,296 B per CTA. A sixth slot (3 full
+// tiles) would need Q out of shared memory: Q in registers needs the depth-split S and its
+// 8-10 KB partial-S buffer (6 x 18,432 + 8,192 + ... > 115,712), so it does not fit either.
+// Where this helps and where it does not: a slot comes free only when its whole tile is
+// consumed (the barrier at the top of the tile loop), so the second half of tile t + 1 is
+// issued one tile period before it is needed, as in the 2-stage kernel; the gain is the
+// first halves, issued two periods ahead. The L2 prefetch below is the other way to put
+// more bytes in flight: it needs no shared memory at all.
+constexpr int kHalfKeys = 16;                       // keys per ring slot
+constexpr int kRingSlots = 5;                       // slots in the ring
+constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
+// kPipe (template flags of the 16-row bf16-cache kernel, from DecodePlan::ring /
+// l2_prefetch): kPipeRing runs the ring above; kPipeL2 makes the CTA ask L2 for the rows
+// of keys it will copy two tile periods later (cp.async.bulk.prefetch.L2 on sm_90, one
+// 1,152-byte row per instruction): more bytes on their way from DRAM, no shared memory.
+enum DecodePipe : int { kPipeStages = 0, kPipeRing = 1, kPipeL2 = 2 };
+
+__host__ __device__ constexpr SmemPlan smem_plan_ring() {
+  SmemPlan s;
+  int off = 0;
+  s.q = off;
+  off += 16 * kRowBytes;  // Q [16][576] T, swizzled
+  s.tiles = off;
+  off += kRingSlots * kSlotBytes;  // slots [5][16][576] T, rows swizzled as in a tile
+  s.p = off;
+  off += 16 * kPStride * 2;  // P [16][32 (+8 pad)] T
+  s.key_ok = off;
+  off += kRingSlots * kHalfKeys;  // per slot and key: loaded (inside the split, good block)
+  s.red_max = off;
+  off += 16 * 4 * 4;
+  s.red_sum = off;
+  off += 16 * 4 * 4;
+  off = (off + 15) / 16 * 16;
+  s.s_part = off;
+  s.total = off;
+  return s;
+}
+static_assert(smem_plan_ring().total == 112464, "the ring's budget in the comment above");
+static_assert(2 * (smem_plan_ring().total + 1024) <= 233472, "two ring CTAs per H200 SM");
+
 // ---- small device helpers -----------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
@@ -168,6 +217,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Asks L2 for one 1,152-byte cache row (16-byte aligned): a hint, nothing is waited for.
+// sm_90 has a bulk form (one instruction per row); sm_80 touches its 128-byte lines.
+__device__ __forceinline__ void prefetch_l2_row(const std::byte* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(kRowBytes)
+               : "memory");
+#else
+  for (int i = 0; i < kRowBytes; i += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + i));
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
@@ -909,8 +969,13 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // kFp8 (Fp8Kernel, bf16 activations only when nonzero): which fp8 fragment path the 16-row
 // 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant); with kFp8ThreeCtas
 // the launch bounds ask for three CTAs per SM (168 registers).
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8>
+// kPipe (DecodePipe flags; 16 rows, 16-bit cache, 2 stages only): the half-tile ring and /
+// or the L2 prefetch; the arithmetic is the same in every form.
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, int kPipe = kPipeStages>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
+  constexpr bool kRing = (kPipe & kPipeRing) != 0;
+  constexpr bool kL2 = (kPipe & kPipeL2) != 0;
+  static_assert(kPipe == kPipeStages || (ROWS == 16 && !kConvert && STAGES == kStages));
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
@@ -960,7 +1025,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
+  const SmemPlan sp = kRing ? smem_plan_ring() : smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;
@@ -1015,18 +1080,80 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     }
   };
 
-  // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
-  // Q); the block id of the next tile to issue is always fetched one issue ahead.
-  int next_block = fetch_block(0);
+  // The ring's loader: 8 threads per key of a 16-key half-tile (9 chunks each), half h
+  // into slot `slot`; halves past the last tile are not copied.
+  const int h_key = tid / (kThreads / kHalfKeys), h_part = tid % (kThreads / kHalfKeys);
+  auto fetch_half = [&](int h) -> int {  // block id of my key in half h, read only if used
+    const int pos = key0 + h * kHalfKeys + h_key;
+    return h < 2 * ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+  };
+  auto issue_half = [&](int h, int slot, int block) {
+    if (h >= 2 * ntiles) return;
+    const int pos = key0 + h * kHalfKeys + h_key;
+    bool ok;
+    const std::byte* src = decode_key_src(a, pos, key1, block, a.entry_bytes, h_part == 0, ok);
+    if (h_part == 0) key_ok_s[slot * kHalfKeys + h_key] = ok;
+    const uint32_t dst = smem_addr(tiles_s + slot * kSlotBytes);
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < ntiles) {
-      const int b = next_block;
-      next_block = fetch_block(i + 1);
-      issue(i, b);
-    }
+    for (int c = h_part; c < kRowChunks; c += kThreads / kHalfKeys)
+      cp_async16(dst + swz(h_key, c), src + c * 16, ok);
+  };
+  // The L2 prefetch: at the top of tile t, one thread in four asks for the row of key
+  // kL2Ahead + 32 t + tid / 4 of the piece (32 rows), the keys the loader copies two tile
+  // periods later (2-stage: tile t + 3; ring: halves 2t + 7 and 2t + 8). The block id is
+  // read one tile ahead, like the loader's.
+  constexpr int kL2Ahead = kRing ? 7 * kHalfKeys : 3 * kKeyTile;
+  const bool l2_lane = (tid & 3) == 0;
+  auto fetch_l2 = [&](int t) -> int {
+    const int pos = key0 + kL2Ahead + t * kKeyTile + (tid >> 2);
+    return kL2 && l2_lane && pos < key1 ? table[pos / a.block_size] : -1;
+  };
+  auto prefetch_l2 = [&](int pos, int block) {
+    if (pos < key1 && block >= 0 && int64_t(block) < a.num_blocks)
+      prefetch_l2_row(a.cache_base + int64_t(block) * a.block_stride +
+                      int64_t(pos % a.block_size) * kRowBytes);
+  };
+
+  // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
+  // Q); the block id of the next tile to issue is always fetched one issue ahead. The
+  // ring issues halves 0, 1 and 2 (one group each) and reads the block ids of halves 3
+  // and 4, which the first tile issues.
+  int next_block = 0, next_half0 = 0, next_half1 = 0, l2_block = -1;
+  if constexpr (kRing) {
+    const int b0 = fetch_half(0), b1 = fetch_half(1), b2 = fetch_half(2);
+    issue_half(0, 0, b0);
     cp_async_commit();
+    issue_half(1, 1, b1);
+    cp_async_commit();
+    issue_half(2, 2, b2);
+    cp_async_commit();
+    next_half0 = fetch_half(3);
+    next_half1 = fetch_half(4);
+  } else {
+    next_block = fetch_block(0);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (i < ntiles) {
+        const int b = next_block;
+        next_block = fetch_block(i + 1);
+        issue(i, b);
+      }
+      cp_async_commit();
+    }
   }
+  if constexpr (kL2) {
+    // The keys between the prologue's copies and the first tile's prefetch (64 of them:
+    // 2-stage keys 32-95, ring 48-111), one row per thread of the first 64; a split's
+    // first tiles then start from L2 too.
+    constexpr int kFirst = kRing ? 3 * kHalfKeys : kKeyTile;
+    static_assert(kL2Ahead - kFirst == 64 && kThreads >= 64);
+    const int pos = key0 + kFirst + tid;
+    if (tid < 64 && pos < key1) prefetch_l2(pos, table[pos / a.block_size]);
+    l2_block = fetch_l2(0);
+  }
+  // Ring slot of half 2t (the first half of the tile being computed), advanced by 2 mod 5.
+  int ring0 = 0;
+  auto wrap5 = [](int x) { return x >= kRingSlots ? x - kRingSlots : x; };
 
   // Per-thread state: rows lo = lane / 4 and hi = lo + 8 of the warp's row group.
   const int row_lo = group * 16 + (lane >> 2), row_hi = row_lo + 8;
@@ -1049,16 +1176,37 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 
   for (int t = 0; t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
-    if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
-      const int b = next_block;
-      next_block = fetch_block(t + STAGES);
-      issue(t + STAGES - 1, b);
+    if constexpr (kRing) {
+      // Halves 2t + 3 and 2t + 4 into the slots of tile t - 1's halves, one group each;
+      // then all but the newest 3 groups (halves 2t + 2 .. 2t + 4) are in: Q and tile t.
+      issue_half(2 * t + 3, wrap5(ring0 + 3), next_half0);
+      cp_async_commit();
+      issue_half(2 * t + 4, wrap5(ring0 + 4), next_half1);
+      cp_async_commit();
+      next_half0 = fetch_half(2 * t + 5);
+      next_half1 = fetch_half(2 * t + 6);
+    } else {
+      if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
+        const int b = next_block;
+        next_block = fetch_block(t + STAGES);
+        issue(t + STAGES - 1, b);
+      }
+      cp_async_commit();  // group t + STAGES - 1 (maybe empty)
     }
-    cp_async_commit();  // group t + STAGES - 1 (maybe empty)
-    cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
+    if constexpr (kL2) {
+      if (l2_lane) prefetch_l2(key0 + kL2Ahead + t * kKeyTile + (tid >> 2), l2_block);
+      l2_block = fetch_l2(t + 1);
+    }
+    if constexpr (kRing)
+      cp_async_wait<3>();
+    else
+      cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
     __syncthreads();
 
     const int stage = t % STAGES;
+    // The ring's two slots of tile t: keys 0-15 and 16-31 (rows 0-15 of each slot).
+    const int slot0 = ring0, slot1 = wrap5(ring0 + 1);
+    if constexpr (kRing) ring0 = wrap5(ring0 + 2);
     if constexpr (kConvert) {
       // Raw fp8 tile -> T tile. Every thread converts groups of 16 codes (one 16-byte
       // shared load, two 16-byte stores); all of a thread's loads are issued before the
@@ -1208,13 +1356,16 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     } else {
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int qr = group * 16 + (lane & 15);
-      const int kr = slice * 8 + (lane & 7);
+      // Ring: slices 0, 1 read the first slot of the tile, 2, 3 the second (rows 0-15).
+      const int kr = kRing ? (slice & 1) * 8 + (lane & 7) : slice * 8 + (lane & 7);
+      const uint32_t ks_base =
+          kRing ? smem_addr(tiles_s + (slice < 2 ? slot0 : slot1) * kSlotBytes) : k_base;
 #pragma unroll 6
       for (int j = 0; j < kLatentDim / 32; ++j) {  // two k-steps (32 dims) per iteration
         uint32_t a0[4], a1[4], b[4];
         ldsm_x4(q_base + swz(qr, 4 * j + (lane >> 4)), a0);
         ldsm_x4(q_base + swz(qr, 4 * j + 2 + (lane >> 4)), a1);
-        ldsm_x4(k_base + swz(kr, 4 * j + (lane >> 3)), b);
+        ldsm_x4(ks_base + swz(kr, 4 * j + (lane >> 3)), b);
         mma_16816<T>(s0, a0, b[0], b[1]);
         mma_16816<T>(s1, a1, b[2], b[3]);
       }
@@ -1224,7 +1375,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 
     // ---- online softmax ----
     const int pos = key0 + t * kKeyTile + key_col;
-    const uint8_t* ok = key_ok_s + stage * kKeyTile + key_col;
+    const uint8_t* ok = kRing ? key_ok_s + (slice < 2 ? slot0 : slot1) * kHalfKeys + (key_col & 15)
+                              : key_ok_s + stage * kKeyTile + key_col;
     float x[4];
     x[0] = ok[0] && pos < count_lo ? s[0] * a.score_scale_log2 : kNegInf;
     x[1] = ok[1] && pos + 1 < count_lo ? s[1] * a.score_scale_log2 : kNegInf;
@@ -1281,11 +1433,14 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     for (int ks = 0; ks < kKeyTile / 16; ++ks) {
       uint32_t pf[4];
       ldsm_x4(pa + (2 * ks + (lane >> 4)) * 16, pf);
-      const int vr = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
+      // Ring: k-step ks reads the tile's slot ks, rows 0-15.
+      const int vr = (kRing ? 0 : 16 * ks) + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const uint32_t v_base =
+          kRing ? smem_addr(tiles_s + (ks == 0 ? slot0 : slot1) * kSlotBytes) : k_base;
 #pragma unroll
       for (int np = 0; np < 8; ++np) {
         uint32_t b[4];
-        ldsm_x4_trans(k_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
+        ldsm_x4_trans(v_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
         mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
         mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
       }
@@ -1342,14 +1497,15 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 }
 
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic>
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic,
+          int kPipe = kPipeStages>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1
                                                    : kFp8 & kFp8ThreeCtas         ? 3
                                                                                   : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(a, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kPipe>(a, w);
     });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
@@ -1824,6 +1980,40 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
   KMLA_LAUNCH_CHECK();
 }
 
+// The 16-row bf16-cache kernel with the plan's key pipeline (DecodePipe); compiled for bf16
+// only (the Kimi-K3 cache), f16 keeps the 2-stage kernel. The flags are plan fields, so the
+// launch shape still depends only on the plan.
+template <class T>
+void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream_t stream) {
+  auto launch = [&]<int kPipe>() {
+    auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, kPipe>;
+    const int smem_bytes = (kPipe & kPipeRing ? smem_plan_ring() : smem_plan(16, 0, kStages)).total;
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    kernel<<<grid, 128, smem_bytes, stream>>>(args);
+    KMLA_LAUNCH_CHECK();
+  };
+  switch (pipe) {
+    case kPipeRing:
+      return launch.template operator()<kPipeRing>();
+    case kPipeL2:
+      return launch.template operator()<kPipeL2>();
+    default:
+      return launch.template operator()<kPipeRing | kPipeL2>();
+  }
+}
+
+// The 16-row bf16 kernel's pipeline flags from the environment (A/B switches read at plan
+// time): KMLA_DECODE_RING=0|1 (the half-tile ring) and KMLA_DECODE_L2PF=0|1 (the L2
+// prefetch). Both off by default until the H200 says otherwise.
+void set_pipe_from_env(DecodePlan& plan) {
+  const int ring = env_int("KMLA_DECODE_RING", 0), l2 = env_int("KMLA_DECODE_L2PF", 0);
+  KMLA_CHECK(ring == 0 || ring == 1, "decode: KMLA_DECODE_RING must be 0 or 1, got ", ring);
+  KMLA_CHECK(l2 == 0 || l2 == 1, "decode: KMLA_DECODE_L2PF must be 0 or 1, got ", l2);
+  plan.ring = ring != 0;
+  plan.l2_prefetch = l2 != 0;
+}
+
 }  // namespace
 
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
@@ -1837,6 +2027,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   plan.max_query_len = max_query_len;
   plan.portable = portable;
   plan.batch_invariant = batch_invariant;
+  set_pipe_from_env(plan);
   if (batch_invariant) {
     // The row tile from the head count alone (a layer constant), not from the batch's
     // longest query: a row's reductions do not depend on the tile size, but pinning it
@@ -1868,9 +2059,11 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   plan.deep_pipeline = deep_pipeline_fits(portable, plan.rows_per_cta, smem_per_block);
   // CTAs per SM from shared memory (1 KB per CTA is reserved by the driver) and threads.
-  int smem =
-      (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
-      1024;
+  int smem = (plan.deep_pipeline ? deep_smem_bytes()
+              : plan.ring && plan.rows_per_cta == 16
+                  ? smem_plan_ring().total
+                  : smem_plan(plan.rows_per_cta, 0, kStages).total) +
+             1024;
   // fp8_ds_mla's 16-row kernels at three CTAs per SM: their own shared memory (and launch
   // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): folded scales
   // 330.0 against 335.4 us at two (plain fp8 lost at three, 260.1 against 255.9, and has no
@@ -2053,12 +2246,15 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
+  const int pipe = (plan.ring ? kPipeRing : 0) | (plan.l2_prefetch ? kPipeL2 : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);
     } else if (deep) {
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
+    } else if (rows == 16 && !convert && pipe != kPipeStages && std::is_same_v<T, bf16>) {
+      launch_splitkv_pipe<T>(a, grid, pipe, stream);
     } else if (rows == 16) {
       convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
                                             p.cache.tile_rule == TileScaleRule::power_of_two)
