@@ -1033,6 +1033,136 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
   }
 }
 
+// ---- the 16-row bf16 kernel's key pipelines (DecodePlan::ring, l2_prefetch) ----------------
+// The half-tile ring (five 16-key slots, tile t in slots 2t % 5 and (2t + 1) % 5) and the L2
+// prefetch change only when the key bytes arrive, never the arithmetic: run_case's run hook
+// launches every plan four times (2-stage, ring, L2 prefetch, ring + L2 prefetch) and
+// requires the same bits from all four; the last one is what the harness then compares with
+// the oracle (and its repeat run, with the plan as made, must give the bits again). A slot
+// read before its copy landed, a tile's halves swapped, a key flag from the wrong slot or a
+// ring that loses its place between the pieces of a balanced CTA changes the bits.
+CaseHooks pipeline_hooks(const std::string& label) {
+  CaseHooks h;
+  h.label = label;
+  h.check_plan = [](const DecodeParams&, const DecodePlan& plan) {
+    // Only the 16-row, 2-stage kernel has the pipelines: anything else would test nothing.
+    EXPECT_EQ(plan.rows_per_cta, 16);
+    EXPECT_FALSE(plan.deep_pipeline);
+  };
+  h.run = [](const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+    const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
+    std::vector<uint16_t> out_first(rows * kKvLoraRank), out(rows * kKvLoraRank);
+    std::vector<float> lse_first(rows), lse(rows);
+    for (int v = 0; v < 4; ++v) {
+      DecodePlan q = plan;
+      q.ring = (v & 1) != 0;
+      q.l2_prefetch = (v & 2) != 0;
+      ASSERT_EQ(cudaMemset(p.out, 0xFF, out.size() * 2), cudaSuccess);
+      ASSERT_EQ(cudaMemset(p.lse, 0xFF, lse.size() * 4), cudaSuccess);
+      decode_attention(p, q, workspace, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint16_t>& o = v ? out : out_first;
+      std::vector<float>& l = v ? lse : lse_first;
+      ASSERT_EQ(cudaMemcpy(o.data(), p.out, o.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(l.data(), p.lse, l.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (v == 0) continue;
+      size_t differ = 0;
+      for (size_t i = 0; i < out.size(); ++i) differ += out[i] != out_first[i];
+      for (size_t i = 0; i < lse.size(); ++i)
+        differ += std::memcmp(&lse[i], &lse_first[i], 4) != 0;
+      EXPECT_EQ(differ, 0u) << "ring " << q.ring << ", L2 prefetch " << q.l2_prefetch
+                            << ": elements with other bits than the 2-stage kernel's";
+    }
+  };
+  return h;
+}
+
+// Lengths just off the 16-key half-tile, the 32-key tile, 64 keys and the block ends
+// (block sizes 16 / 64 / 256), 1 to 7 tiles (the ring wraps after 2.5 tiles) and long
+// ones; 12 and 16 heads one token each and 5 heads with up to 3 causal tokens (15 rows);
+// the plan's choice (balanced), one CTA running every piece in turn, hundreds of workers
+// with every pair cut, and the per-request grid with 1 and 3 splits.
+TEST(CudaDecodePipeline, RingAndL2PrefetchShapes) {
+  KMLA_REQUIRE_GPU();
+  uint64_t seed = 700;
+  for (int bs : {16, 64, 256}) {
+    for (int heads : {12, 16, 5}) {
+      DecodeCase c;
+      c.heads = heads;
+      c.block_size = bs;
+      c.seq_lens = {15, 16, 17, 31, 32, 33, 47, 49, 63, 64, 65, 0,  95, 97,
+                    127, 129, 159, 161, 191, 193, 225, 255, 257, 1, 1000, 5000};
+      c.query_lens.assign(c.seq_lens.size(), 1);
+      c.query_lens[11] = 0;  // a padded slot
+      if (heads == 5)
+        for (size_t i = 0; i < c.query_lens.size(); ++i)
+          if (c.query_lens[i] && c.seq_lens[i] >= 3) c.query_lens[i] = 1 + int(i % 3);
+      c.seed = seed++;
+      SCOPED_TRACE(::testing::Message() << "block size " << bs << ", heads " << heads);
+      run_case(c,
+               {{0, 16},
+                {0, 16, false, 1},
+                {0, 16, false, 300, 0, 0, 0},
+                {1, 16},
+                {3, 16}},
+               pipeline_hooks("pipelines"));
+    }
+  }
+}
+
+// A block id outside the cache (the loader flags it and masks its keys; the prefetch
+// must skip it), and one long request over hundreds of splits (the combine's many-partials
+// form) and over the plan's split count.
+TEST(CudaDecodePipeline, RingAndL2PrefetchBadBlockAndLongRequest) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 16;
+  c.block_size = 16;
+  c.seq_lens = {100, 40, 0, 16, 177};
+  c.query_lens = {1, 1, 0, 1, 1};
+  c.bad_block_request = 0;  // keys [96, 100) become invisible
+  c.seed = 720;
+  run_case(c, {{0, 16}, {1, 16}, {4, 16}, {0, 16, false, 200, 0, 0, 0}},
+           pipeline_hooks("bad block"));
+  DecodeCase l;
+  l.heads = 12;
+  l.block_size = 64;
+  l.seq_lens = {100001};
+  l.query_lens = {1};
+  l.seed = 721;
+  run_case(l, {{0, 16}, {1024, 16}, {7, 16}}, pipeline_hooks("one long request"));
+}
+
+// plan_decode takes the pipelines from KMLA_DECODE_RING / KMLA_DECODE_L2PF (off by default),
+// rejects other values, and keeps two CTAs per SM (the same splits) with the ring.
+TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
+  KMLA_REQUIRE_GPU();
+  ScopedEnv ring_unset("KMLA_DECODE_RING", nullptr);
+  ScopedEnv l2_unset("KMLA_DECODE_L2PF", nullptr);
+  const DecodePlan off = plan_decode(128, 16, 1, 4096, false);
+  EXPECT_FALSE(off.ring);
+  EXPECT_FALSE(off.l2_prefetch);
+  {
+    ScopedEnv ring("KMLA_DECODE_RING", "1");
+    ScopedEnv l2("KMLA_DECODE_L2PF", "1");
+    for (bool invariant : {false, true}) {
+      const DecodePlan on = plan_decode(128, 16, 1, 4096, false, invariant);
+      EXPECT_TRUE(on.ring);
+      EXPECT_TRUE(on.l2_prefetch);
+    }
+    const DecodePlan on = plan_decode(128, 16, 1, 4096, false);
+    EXPECT_EQ(on.num_workers, off.num_workers);
+    EXPECT_EQ(on.num_splits, off.num_splits);
+    const DecodePlan one = plan_decode(1, 12, 1, 65536, false);
+    ScopedEnv ring_off("KMLA_DECODE_RING", "0");
+    EXPECT_EQ(one.num_splits, plan_decode(1, 12, 1, 65536, false).num_splits);
+  }
+  for (const char* name : {"KMLA_DECODE_RING", "KMLA_DECODE_L2PF"}) {
+    ScopedEnv bad(name, "2");
+    EXPECT_THROW(plan_decode(128, 16, 1, 4096, false), Error);
+  }
+}
+
 // ---- the combine's two forms -------------------------------------------------------------
 // One 64K-key request: hundreds of per-request splits go to the CTA-per-(row, chunk) form
 // (decode_combine_rows_kernel), in every chunk count it may use and with the most splits
