@@ -75,11 +75,12 @@ struct DecodePlan {
   int fp8_ctas_per_sm = 2;
   // The 16-row kernel's key pipeline over a bf16 cache (other kernels ignore both): `ring`
   // keeps five 16-key half-tile slots instead of two 32-key stages (1.5 tiles in flight
-  // instead of 1, still two CTAs per SM), `l2_prefetch` asks L2 for the rows two tile
-  // periods ahead of their copies. Change the speed, never the arithmetic. plan_decode reads
-  // KMLA_DECODE_RING=0|1 and KMLA_DECODE_L2PF=0|1 (default 0); callers may set them.
+  // instead of 1, still two CTAs per SM); l2_prefetch_tiles > 0 asks L2 for every key row
+  // that many tile periods before its copy (0: off; at most 8). Change the speed, never the
+  // arithmetic. plan_decode reads KMLA_DECODE_RING=0|1 and KMLA_DECODE_L2PF=0..8 (default
+  // 0); callers may set them.
   bool ring = false;
-  bool l2_prefetch = false;
+  int l2_prefetch_tiles = 0;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
   // bitwise the same whatever else is in the batch. num_splits is then the grid's split
@@ -98,7 +99,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1, KMLA_DECODE_L2PF=0|1 (all plans: speed only). `format` is the
+// KMLA_DECODE_RING=0|1, KMLA_DECODE_L2PF=0..8 (all plans: speed only). `format` is the
 // cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,

@@ -175,9 +175,11 @@ constexpr int kHalfKeys = 16;                       // keys per ring slot
 constexpr int kRingSlots = 5;                       // slots in the ring
 constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
 // kPipe (template flags of the 16-row bf16-cache kernel, from DecodePlan::ring /
-// l2_prefetch): kPipeRing runs the ring above; kPipeL2 makes the CTA ask L2 for the rows
-// of keys it will copy two tile periods later (cp.async.bulk.prefetch.L2 on sm_90, one
-// 1,152-byte row per instruction): more bytes on their way from DRAM, no shared memory.
+// l2_prefetch_tiles): kPipeRing runs the ring above; kPipeL2 makes the CTA ask L2 for the
+// rows of keys it will copy a.l2_ahead_tiles tile periods later (cp.async.bulk.prefetch.L2
+// on sm_90, one 1,152-byte row per instruction): more bytes on their way from DRAM, no
+// shared memory.
+constexpr int kMaxL2AheadTiles = 8;
 enum DecodePipe : int { kPipeStages = 0, kPipeRing = 1, kPipeL2 = 2 };
 
 __host__ __device__ constexpr SmemPlan smem_plan_ring() {
@@ -1099,13 +1101,15 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       cp_async16(dst + swz(h_key, c), src + c * 16, ok);
   };
   // The L2 prefetch: at the top of tile t, one thread in four asks for the row of key
-  // kL2Ahead + 32 t + tid / 4 of the piece (32 rows), the keys the loader copies two tile
-  // periods later (2-stage: tile t + 3; ring: halves 2t + 7 and 2t + 8). The block id is
-  // read one tile ahead, like the loader's.
-  constexpr int kL2Ahead = kRing ? 7 * kHalfKeys : 3 * kKeyTile;
+  // l2_ahead + 32 t + tid / 4 of the piece (32 rows): the keys the loader copies D =
+  // a.l2_ahead_tiles tile periods later (it copies keys from kFirst + 32 t on at tile t:
+  // 2-stage tile t + 1, ring halves 2t + 3 and 2t + 4; with D = 2, tile t + 3 and halves
+  // 2t + 7, 2t + 8). The block id is read one tile ahead, like the loader's.
+  constexpr int kFirst = kRing ? 3 * kHalfKeys : kKeyTile;
+  const int l2_ahead = kFirst + (kL2 ? a.l2_ahead_tiles : 0) * kKeyTile;
   const bool l2_lane = (tid & 3) == 0;
   auto fetch_l2 = [&](int t) -> int {
-    const int pos = key0 + kL2Ahead + t * kKeyTile + (tid >> 2);
+    const int pos = key0 + l2_ahead + t * kKeyTile + (tid >> 2);
     return kL2 && l2_lane && pos < key1 ? table[pos / a.block_size] : -1;
   };
   auto prefetch_l2 = [&](int pos, int block) {
@@ -1142,13 +1146,11 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     }
   }
   if constexpr (kL2) {
-    // The keys between the prologue's copies and the first tile's prefetch (64 of them:
-    // 2-stage keys 32-95, ring 48-111), one row per thread of the first 64; a split's
-    // first tiles then start from L2 too.
-    constexpr int kFirst = kRing ? 3 * kHalfKeys : kKeyTile;
-    static_assert(kL2Ahead - kFirst == 64 && kThreads >= 64);
-    const int pos = key0 + kFirst + tid;
-    if (tid < 64 && pos < key1) prefetch_l2(pos, table[pos / a.block_size]);
+    // The keys between the prologue's copies and the first tile's prefetch (32 D of them,
+    // at most 256: two per thread), so a split's first tiles start from L2 too.
+#pragma unroll 1
+    for (int pos = key0 + kFirst + tid; pos < key0 + l2_ahead && pos < key1; pos += kThreads)
+      prefetch_l2(pos, table[pos / a.block_size]);
     l2_block = fetch_l2(0);
   }
   // Ring slot of half 2t (the first half of the tile being computed), advanced by 2 mod 5.
@@ -1194,7 +1196,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       cp_async_commit();  // group t + STAGES - 1 (maybe empty)
     }
     if constexpr (kL2) {
-      if (l2_lane) prefetch_l2(key0 + kL2Ahead + t * kKeyTile + (tid >> 2), l2_block);
+      if (l2_lane) prefetch_l2(key0 + l2_ahead + t * kKeyTile + (tid >> 2), l2_block);
       l2_block = fetch_l2(t + 1);
     }
     if constexpr (kRing)
@@ -2003,15 +2005,16 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
   }
 }
 
-// The 16-row bf16 kernel's pipeline flags from the environment (A/B switches read at plan
-// time): KMLA_DECODE_RING=0|1 (the half-tile ring) and KMLA_DECODE_L2PF=0|1 (the L2
-// prefetch). Both off by default until the H200 says otherwise.
+// The 16-row bf16 kernel's pipeline from the environment (A/B switches read at plan time):
+// KMLA_DECODE_RING=0|1 (the half-tile ring) and KMLA_DECODE_L2PF=D (the L2 prefetch, D
+// tile periods ahead; 0 off). Both off by default until the H200 says otherwise.
 void set_pipe_from_env(DecodePlan& plan) {
   const int ring = env_int("KMLA_DECODE_RING", 0), l2 = env_int("KMLA_DECODE_L2PF", 0);
   KMLA_CHECK(ring == 0 || ring == 1, "decode: KMLA_DECODE_RING must be 0 or 1, got ", ring);
-  KMLA_CHECK(l2 == 0 || l2 == 1, "decode: KMLA_DECODE_L2PF must be 0 or 1, got ", l2);
+  KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
+             kMaxL2AheadTiles, "], got ", l2);
   plan.ring = ring != 0;
-  plan.l2_prefetch = l2 != 0;
+  plan.l2_prefetch_tiles = l2;
 }
 
 }  // namespace
@@ -2166,6 +2169,9 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
              "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
   KMLA_CHECK(plan.fp8_ctas_per_sm == 2 || plan.fp8_ctas_per_sm == 3,
              "decode: plan.fp8_ctas_per_sm must be 2 or 3, got ", plan.fp8_ctas_per_sm);
+  KMLA_CHECK(plan.l2_prefetch_tiles >= 0 && plan.l2_prefetch_tiles <= kMaxL2AheadTiles,
+             "decode: plan.l2_prefetch_tiles must be in [0, ", kMaxL2AheadTiles, "], got ",
+             plan.l2_prefetch_tiles);
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
              "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
   const CacheFormat fmt = p.cache.format;
@@ -2228,6 +2234,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.sched_pair_keys = plan.sched_pair_keys;
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
+  a.l2_ahead_tiles = plan.l2_prefetch_tiles;
   if (ws.bytes) {
     std::byte* const base = static_cast<std::byte*>(workspace);
     a.ws_o = reinterpret_cast<float*>(base);
@@ -2246,7 +2253,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
-  const int pipe = (plan.ring ? kPipeRing : 0) | (plan.l2_prefetch ? kPipeL2 : 0);
+  const int pipe = (plan.ring ? kPipeRing : 0) | (plan.l2_prefetch_tiles ? kPipeL2 : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);
@@ -2254,7 +2261,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
     } else if (rows == 16 && !convert && pipe != kPipeStages && std::is_same_v<T, bf16>) {
-      launch_splitkv_pipe<T>(a, grid, pipe, stream);
+      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_pipe<T>(a, grid, pipe, stream);
     } else if (rows == 16) {
       convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
                                             p.cache.tile_rule == TileScaleRule::power_of_two)
