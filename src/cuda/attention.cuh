@@ -79,7 +79,10 @@ struct DecodePlan {
   // that many tile periods before its copy (0: off; at most 8). Change the speed, never the
   // arithmetic. plan_decode reads KMLA_DECODE_RING=0|1 and KMLA_DECODE_L2PF=0..8 (default
   // 0); callers may set them.
+  // line_loads (2 stages, not with `ring`) copies each tile with the ring's loader: one
+  // warp's cp.async covers whole 128-byte lines (an A/B switch: KMLA_DECODE_RING=2).
   bool ring = false;
+  bool line_loads = false;
   int l2_prefetch_tiles = 0;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
@@ -99,7 +102,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1, KMLA_DECODE_L2PF=0..8 (all plans: speed only). `format` is the
+// KMLA_DECODE_RING=0|1|2, KMLA_DECODE_L2PF=0..8 (all plans: speed only). `format` is the
 // cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,

@@ -178,11 +178,15 @@ constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
 // l2_prefetch_tiles): kPipeRing runs the ring above; kPipeL2 makes the CTA ask L2 for the
 // rows of keys it will copy a.l2_ahead_tiles tile periods later (cp.async.bulk.prefetch.L2
 // on sm_90, one 1,152-byte row per instruction): more bytes on their way from DRAM, no
-// shared memory. L2 holds what is prefetched until it is copied: per distance tile, 264
+// shared memory. kPipeLines (2-stage only) copies each tile as two halves with the ring's
+// loader: 8 threads per key, so one warp's cp.async covers 4 whole 128-byte lines (rows are
+// 1,152 = 9 x 128 B) instead of 8 half lines (the 2-stage loader's 4 threads per key): half
+// the L2 requests per byte (ncu: L2 91.8 % busy at 78 % DRAM throughput), the same pipeline.
+// It tells the ring's two changes apart. L2 holds what is prefetched until it is copied: per distance tile, 264
 // CTAs x 36,864 B = 9.7 MB of H200's 50 MB L2, so distances past ~3-4 tiles may evict rows
 // before their copy (and read them twice from DRAM).
 constexpr int kMaxL2AheadTiles = 8;
-enum DecodePipe : int { kPipeStages = 0, kPipeRing = 1, kPipeL2 = 2 };
+enum DecodePipe : int { kPipeStages = 0, kPipeRing = 1, kPipeL2 = 2, kPipeLines = 4 };
 
 __host__ __device__ constexpr SmemPlan smem_plan_ring() {
   SmemPlan s;
@@ -979,7 +983,9 @@ template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, int kPipe = kP
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   constexpr bool kRing = (kPipe & kPipeRing) != 0;
   constexpr bool kL2 = (kPipe & kPipeL2) != 0;
+  constexpr bool kLines = (kPipe & kPipeLines) != 0;
   static_assert(kPipe == kPipeStages || (ROWS == 16 && !kConvert && STAGES == kStages));
+  static_assert(!(kRing && kLines));
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
@@ -1135,6 +1141,14 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     cp_async_commit();
     next_half0 = fetch_half(3);
     next_half1 = fetch_half(4);
+  } else if constexpr (kLines) {
+    // Tile 0 as halves 0 and 1 (slots 0 and 1 = stage 0), one group with Q.
+    const int b0 = fetch_half(0), b1 = fetch_half(1);
+    issue_half(0, 0, b0);
+    issue_half(1, 1, b1);
+    cp_async_commit();
+    next_half0 = fetch_half(2);
+    next_half1 = fetch_half(3);
   } else {
     next_block = fetch_block(0);
 #pragma unroll
@@ -1189,6 +1203,15 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       cp_async_commit();
       next_half0 = fetch_half(2 * t + 5);
       next_half1 = fetch_half(2 * t + 6);
+    } else if constexpr (kLines) {
+      // Tile t + 1 as halves 2t + 2 and 2t + 3 into the stage of tile t - 1 (its two
+      // 16-key halves are slots 2 stage and 2 stage + 1), one group.
+      const int s = 2 * ((t + 1) % STAGES);
+      issue_half(2 * t + 2, s, next_half0);
+      issue_half(2 * t + 3, s + 1, next_half1);
+      cp_async_commit();
+      next_half0 = fetch_half(2 * t + 4);
+      next_half1 = fetch_half(2 * t + 5);
     } else {
       if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
         const int b = next_block;
@@ -1991,7 +2014,8 @@ template <class T>
 void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream_t stream) {
   auto launch = [&]<int kPipe>() {
     auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, kPipe>;
-    const int smem_bytes = (kPipe & kPipeRing ? smem_plan_ring() : smem_plan(16, 0, kStages)).total;
+    const int smem_bytes =
+        (kPipe & kPipeRing ? smem_plan_ring() : smem_plan(16, 0, kStages)).total;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     kernel<<<grid, 128, smem_bytes, stream>>>(args);
@@ -2002,20 +2026,26 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
       return launch.template operator()<kPipeRing>();
     case kPipeL2:
       return launch.template operator()<kPipeL2>();
+    case kPipeLines:
+      return launch.template operator()<kPipeLines>();
+    case kPipeLines | kPipeL2:
+      return launch.template operator()<kPipeLines | kPipeL2>();
     default:
       return launch.template operator()<kPipeRing | kPipeL2>();
   }
 }
 
 // The 16-row bf16 kernel's pipeline from the environment (A/B switches read at plan time):
-// KMLA_DECODE_RING=0|1 (the half-tile ring) and KMLA_DECODE_L2PF=D (the L2 prefetch, D
-// tile periods ahead; 0 off). Both off by default until the H200 says otherwise.
+// KMLA_DECODE_RING=0|1|2 (2 stages, the half-tile ring, 2 stages with whole-line copies)
+// and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off). All off by
+// default until the H200 says otherwise.
 void set_pipe_from_env(DecodePlan& plan) {
   const int ring = env_int("KMLA_DECODE_RING", 0), l2 = env_int("KMLA_DECODE_L2PF", 0);
-  KMLA_CHECK(ring == 0 || ring == 1, "decode: KMLA_DECODE_RING must be 0 or 1, got ", ring);
+  KMLA_CHECK(ring >= 0 && ring <= 2, "decode: KMLA_DECODE_RING must be 0, 1 or 2, got ", ring);
   KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
              kMaxL2AheadTiles, "], got ", l2);
-  plan.ring = ring != 0;
+  plan.ring = ring == 1;
+  plan.line_loads = ring == 2;
   plan.l2_prefetch_tiles = l2;
 }
 
@@ -2174,6 +2204,9 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(plan.l2_prefetch_tiles >= 0 && plan.l2_prefetch_tiles <= kMaxL2AheadTiles,
              "decode: plan.l2_prefetch_tiles must be in [0, ", kMaxL2AheadTiles, "], got ",
              plan.l2_prefetch_tiles);
+  KMLA_CHECK(!(plan.ring && plan.line_loads),
+             "decode: plan.ring and plan.line_loads exclude each other (the ring copies whole "
+             "lines already)");
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
              "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
   const CacheFormat fmt = p.cache.format;
@@ -2255,7 +2288,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
-  const int pipe = (plan.ring ? kPipeRing : 0) | (plan.l2_prefetch_tiles ? kPipeL2 : 0);
+  const int pipe = (plan.ring ? kPipeRing : plan.line_loads ? kPipeLines : 0) |
+                   (plan.l2_prefetch_tiles ? kPipeL2 : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);

@@ -1033,13 +1033,14 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
   }
 }
 
-// ---- the 16-row bf16 kernel's key pipelines (DecodePlan::ring, l2_prefetch_tiles) ---------
-// The half-tile ring (five 16-key slots, tile t in slots 2t % 5 and (2t + 1) % 5) and the L2
-// prefetch change only when the key bytes arrive, never the arithmetic: run_case's run hook
-// launches every plan in five pipelines (2-stage; ring; 2-stage with the prefetch 8 tiles
-// ahead; ring with it 2 and 1 tiles ahead) and requires the same bits from all; the last one
-// is what the harness then compares with the oracle (and its repeat run, with the plan as
-// made, must give the bits again). A slot read before its copy landed, a tile's halves
+// ---- the 16-row bf16 kernel's key pipelines (DecodePlan::ring, line_loads, l2_prefetch_tiles)
+// The half-tile ring (five 16-key slots, tile t in slots 2t % 5 and (2t + 1) % 5), the
+// whole-line loader and the L2 prefetch change only when the key bytes arrive, never the
+// arithmetic: run_case's run hook launches every plan in seven pipelines (2-stage; ring;
+// 2-stage with the prefetch 8 tiles ahead; ring with it 2 ahead; line loads alone and with it
+// 3 ahead; ring with it 1 ahead) and requires the same bits from all; the last one is what the
+// harness then compares with the oracle (and its repeat run, with the plan as made, must give
+// the bits again). A slot read before its copy landed, a tile's halves
 // swapped, a key flag from the wrong slot or a ring that loses its place between the pieces
 // of a balanced CTA changes the bits.
 CaseHooks pipeline_hooks(const std::string& label) {
@@ -1054,11 +1055,14 @@ CaseHooks pipeline_hooks(const std::string& label) {
     const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
     std::vector<uint16_t> out_first(rows * kKvLoraRank), out(rows * kKvLoraRank);
     std::vector<float> lse_first(rows), lse(rows);
-    constexpr std::array<std::array<int, 2>, 5> kPipes = {{{0, 0}, {1, 0}, {0, 8}, {1, 2}, {1, 1}}};
+    // {ring, line loads, L2 prefetch distance}
+    constexpr std::array<std::array<int, 3>, 7> kPipes = {
+        {{0, 0, 0}, {1, 0, 0}, {0, 0, 8}, {1, 0, 2}, {0, 1, 0}, {0, 1, 3}, {1, 0, 1}}};
     for (size_t v = 0; v < kPipes.size(); ++v) {
       DecodePlan q = plan;
       q.ring = kPipes[v][0] != 0;
-      q.l2_prefetch_tiles = kPipes[v][1];
+      q.line_loads = kPipes[v][1] != 0;
+      q.l2_prefetch_tiles = kPipes[v][2];
       ASSERT_EQ(cudaMemset(p.out, 0xFF, out.size() * 2), cudaSuccess);
       ASSERT_EQ(cudaMemset(p.lse, 0xFF, lse.size() * 4), cudaSuccess);
       decode_attention(p, q, workspace, nullptr);
@@ -1072,7 +1076,8 @@ CaseHooks pipeline_hooks(const std::string& label) {
       for (size_t i = 0; i < out.size(); ++i) differ += out[i] != out_first[i];
       for (size_t i = 0; i < lse.size(); ++i)
         differ += std::memcmp(&lse[i], &lse_first[i], 4) != 0;
-      EXPECT_EQ(differ, 0u) << "ring " << q.ring << ", L2 prefetch " << q.l2_prefetch_tiles
+      EXPECT_EQ(differ, 0u) << "ring " << q.ring << ", line loads " << q.line_loads
+                            << ", L2 prefetch " << q.l2_prefetch_tiles
                             << " tiles ahead: elements with other bits than the 2-stage kernel's";
     }
   };
@@ -1144,6 +1149,7 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
   ScopedEnv l2_unset("KMLA_DECODE_L2PF", nullptr);
   const DecodePlan off = plan_decode(128, 16, 1, 4096, false);
   EXPECT_FALSE(off.ring);
+  EXPECT_FALSE(off.line_loads);
   EXPECT_EQ(off.l2_prefetch_tiles, 0);
   {
     ScopedEnv ring("KMLA_DECODE_RING", "1");
@@ -1151,7 +1157,14 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
     for (bool invariant : {false, true}) {
       const DecodePlan on = plan_decode(128, 16, 1, 4096, false, invariant);
       EXPECT_TRUE(on.ring);
+      EXPECT_FALSE(on.line_loads);
       EXPECT_EQ(on.l2_prefetch_tiles, 3);
+    }
+    {
+      ScopedEnv lines("KMLA_DECODE_RING", "2");
+      const DecodePlan l = plan_decode(128, 16, 1, 4096, false);
+      EXPECT_FALSE(l.ring);
+      EXPECT_TRUE(l.line_loads);
     }
     const DecodePlan on = plan_decode(128, 16, 1, 4096, false);
     EXPECT_EQ(on.num_workers, off.num_workers);
@@ -1160,7 +1173,7 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
     ScopedEnv ring_off("KMLA_DECODE_RING", "0");
     EXPECT_EQ(one.num_splits, plan_decode(1, 12, 1, 65536, false).num_splits);
   }
-  for (const char* bad_value : {"KMLA_DECODE_RING=2", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1"}) {
+  for (const char* bad_value : {"KMLA_DECODE_RING=3", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1"}) {
     const std::string kv = bad_value;
     const std::string name = kv.substr(0, kv.find('='));
     ScopedEnv bad(name.c_str(), kv.c_str() + name.size() + 1);
@@ -1174,6 +1187,8 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
   EXPECT_THROW(decode_attention(p, bad, nullptr, nullptr), Error);
   bad.l2_prefetch_tiles = 8;
   EXPECT_NO_THROW(decode_attention(p, bad, nullptr, nullptr));  // no requests: nothing runs
+  bad.ring = bad.line_loads = true;
+  EXPECT_THROW(decode_attention(p, bad, nullptr, nullptr), Error);
 }
 
 // ---- the combine's two forms -------------------------------------------------------------
