@@ -2039,8 +2039,11 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
 // KMLA_DECODE_RING=0|1|2 (2 stages, the half-tile ring, 2 stages with whole-line copies)
 // and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off). All off by
 // default until the H200 says otherwise.
+constexpr int kDefaultRing = 0;     // KMLA_DECODE_RING unset
+constexpr int kDefaultL2Tiles = 0;  // KMLA_DECODE_L2PF unset
 void set_pipe_from_env(DecodePlan& plan) {
-  const int ring = env_int("KMLA_DECODE_RING", 0), l2 = env_int("KMLA_DECODE_L2PF", 0);
+  const int ring = env_int("KMLA_DECODE_RING", kDefaultRing);
+  const int l2 = env_int("KMLA_DECODE_L2PF", kDefaultL2Tiles);
   KMLA_CHECK(ring >= 0 && ring <= 2, "decode: KMLA_DECODE_RING must be 0, 1 or 2, got ", ring);
   KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
              kMaxL2AheadTiles, "], got ", l2);

@@ -1140,13 +1140,21 @@ TEST(CudaDecodePipeline, RingAndL2PrefetchBadBlockAndLongRequest) {
   run_case(l, {{0, 16}, {1024, 16}, {7, 16}}, pipeline_hooks("one long request"));
 }
 
-// plan_decode takes the pipelines from KMLA_DECODE_RING / KMLA_DECODE_L2PF (off by default),
-// rejects other values (so does decode_attention a plan's), and keeps two CTAs per SM (the
-// same splits) with the ring.
+// plan_decode takes the pipelines from KMLA_DECODE_RING / KMLA_DECODE_L2PF (0 turns them
+// off; unset gives the measured default, a valid one), rejects other values (so does
+// decode_attention a plan's), and keeps two CTAs per SM (the same splits) with the ring.
 TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
   KMLA_REQUIRE_GPU();
-  ScopedEnv ring_unset("KMLA_DECODE_RING", nullptr);
-  ScopedEnv l2_unset("KMLA_DECODE_L2PF", nullptr);
+  {
+    ScopedEnv ring_unset("KMLA_DECODE_RING", nullptr);
+    ScopedEnv l2_unset("KMLA_DECODE_L2PF", nullptr);
+    const DecodePlan d = plan_decode(128, 16, 1, 4096, false);
+    EXPECT_FALSE(d.ring && d.line_loads);
+    EXPECT_GE(d.l2_prefetch_tiles, 0);
+    EXPECT_LE(d.l2_prefetch_tiles, 8);
+  }
+  ScopedEnv ring_off("KMLA_DECODE_RING", "0");
+  ScopedEnv l2_off("KMLA_DECODE_L2PF", "0");
   const DecodePlan off = plan_decode(128, 16, 1, 4096, false);
   EXPECT_FALSE(off.ring);
   EXPECT_FALSE(off.line_loads);
@@ -1170,7 +1178,7 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
     EXPECT_EQ(on.num_workers, off.num_workers);
     EXPECT_EQ(on.num_splits, off.num_splits);
     const DecodePlan one = plan_decode(1, 12, 1, 65536, false);
-    ScopedEnv ring_off("KMLA_DECODE_RING", "0");
+    ScopedEnv ring_off_again("KMLA_DECODE_RING", "0");
     EXPECT_EQ(one.num_splits, plan_decode(1, 12, 1, 65536, false).num_splits);
   }
   for (const char* bad_value : {"KMLA_DECODE_RING=3", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1"}) {
