@@ -81,9 +81,12 @@ struct DecodePlan {
   // 0); callers may set them.
   // line_loads (2 stages, not with `ring`) copies each tile with the ring's loader: one
   // warp's cp.async covers whole 128-byte lines (an A/B switch: KMLA_DECODE_RING=2).
+  // l2_hint_256 issues the key copies with the .L2::256B fetch hint (KMLA_DECODE_L2HINT=1;
+  // with the 2-stage loader or the ring, without line_loads or the prefetch).
   bool ring = false;
   bool line_loads = false;
   int l2_prefetch_tiles = 0;
+  bool l2_hint_256 = false;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
   // bitwise the same whatever else is in the batch. num_splits is then the grid's split
@@ -102,8 +105,9 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1|2, KMLA_DECODE_L2PF=0..8 (all plans: speed only). `format` is the
-// cache format the plan will run on; only fp8_ds_mla's CTAs per SM depend on it.
+// KMLA_DECODE_RING=0|1|2, KMLA_DECODE_L2PF=0..8, KMLA_DECODE_L2HINT=0|1 (all plans: speed
+// only). `format` is the cache format the plan will run on; only fp8_ds_mla's CTAs per SM
+// depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,
                        CacheFormat format = CacheFormat::bf16);

@@ -186,7 +186,15 @@ constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
 // CTAs x 36,864 B = 9.7 MB of H200's 50 MB L2, so distances past ~3-4 tiles may evict rows
 // before their copy (and read them twice from DRAM).
 constexpr int kMaxL2AheadTiles = 8;
-enum DecodePipe : int { kPipeStages = 0, kPipeRing = 1, kPipeL2 = 2, kPipeLines = 4 };
+// kPipeHint256 issues the key copies with the .L2::256B prefetch-size hint (DRAM fetches
+// of two lines per miss).
+enum DecodePipe : int {
+  kPipeStages = 0,
+  kPipeRing = 1,
+  kPipeL2 = 2,
+  kPipeLines = 4,
+  kPipeHint256 = 8
+};
 
 __host__ __device__ constexpr SmemPlan smem_plan_ring() {
   SmemPlan s;
@@ -219,6 +227,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte async copy; when !valid nothing is read and the destination is zero-filled.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+// The same with the L2 prefetch-size hint of 256 bytes: a miss fetches the aligned 256 B
+// around the chunk from DRAM (two lines of the row) instead of only the sectors asked for.
+__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -984,6 +998,13 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   constexpr bool kRing = (kPipe & kPipeRing) != 0;
   constexpr bool kL2 = (kPipe & kPipeL2) != 0;
   constexpr bool kLines = (kPipe & kPipeLines) != 0;
+  constexpr bool kHint256 = (kPipe & kPipeHint256) != 0;
+  auto copy16 = [](uint32_t dst, const void* src, bool ok) {
+    if constexpr (kHint256)
+      cp_async16_l2_256(dst, src, ok);
+    else
+      cp_async16(dst, src, ok);
+  };
   static_assert(kPipe == kPipeStages || (ROWS == 16 && !kConvert && STAGES == kStages));
   static_assert(!(kRing && kLines));
   constexpr int kWarps = ROWS / 16 * 4;
@@ -1082,7 +1103,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     if constexpr (!kConvert) {
       const uint32_t dst = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
       for (int c = my_part; c < kRowChunks; c += kThreadsPerKey)
-        cp_async16(dst + swz(my_key, c), src + c * 16, ok);
+        copy16(dst + swz(my_key, c), src + c * 16, ok);
     } else {
       const uint32_t dst = smem_addr(raw_s + (stage * kKeyTile + my_key) * a.entry_bytes);
       for (int c = my_part; c < a.entry_bytes / 16; c += kThreadsPerKey)
@@ -1106,7 +1127,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     const uint32_t dst = smem_addr(tiles_s + slot * kSlotBytes);
 #pragma unroll
     for (int c = h_part; c < kRowChunks; c += kThreads / kHalfKeys)
-      cp_async16(dst + swz(h_key, c), src + c * 16, ok);
+      copy16(dst + swz(h_key, c), src + c * 16, ok);
   };
   // The L2 prefetch: at the top of tile t, one thread in four asks for the row of key
   // l2_ahead + 32 t + tid / 4 of the piece (32 rows): the keys the loader copies D =
@@ -2030,6 +2051,10 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
       return launch.template operator()<kPipeLines>();
     case kPipeLines | kPipeL2:
       return launch.template operator()<kPipeLines | kPipeL2>();
+    case kPipeHint256:
+      return launch.template operator()<kPipeHint256>();
+    case kPipeRing | kPipeHint256:
+      return launch.template operator()<kPipeRing | kPipeHint256>();
     default:
       return launch.template operator()<kPipeRing | kPipeL2>();
   }
@@ -2037,13 +2062,17 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
 
 // The 16-row bf16 kernel's pipeline from the environment (A/B switches read at plan time):
 // KMLA_DECODE_RING=0|1|2 (2 stages, the half-tile ring, 2 stages with whole-line copies)
-// and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off). All off by
-// default until the H200 says otherwise.
+// and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off), and
+// KMLA_DECODE_L2HINT=0|1 (the copies' 256-byte L2 fetch hint). All off by default until the
+// H200 says otherwise.
 constexpr int kDefaultRing = 0;     // KMLA_DECODE_RING unset
 constexpr int kDefaultL2Tiles = 0;  // KMLA_DECODE_L2PF unset
 void set_pipe_from_env(DecodePlan& plan) {
   const int ring = env_int("KMLA_DECODE_RING", kDefaultRing);
   const int l2 = env_int("KMLA_DECODE_L2PF", kDefaultL2Tiles);
+  const int hint = env_int("KMLA_DECODE_L2HINT", 0);
+  KMLA_CHECK(hint == 0 || hint == 1, "decode: KMLA_DECODE_L2HINT must be 0 or 1, got ", hint);
+  plan.l2_hint_256 = hint != 0;
   KMLA_CHECK(ring >= 0 && ring <= 2, "decode: KMLA_DECODE_RING must be 0, 1 or 2, got ", ring);
   KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
              kMaxL2AheadTiles, "], got ", l2);
@@ -2210,6 +2239,9 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(!(plan.ring && plan.line_loads),
              "decode: plan.ring and plan.line_loads exclude each other (the ring copies whole "
              "lines already)");
+  KMLA_CHECK(!plan.l2_hint_256 || (!plan.line_loads && plan.l2_prefetch_tiles == 0),
+             "decode: plan.l2_hint_256 is compiled with the 2-stage loader and the ring only "
+             "(no line loads, no L2 prefetch)");
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
              "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
   const CacheFormat fmt = p.cache.format;
@@ -2292,7 +2324,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
   const int pipe = (plan.ring ? kPipeRing : plan.line_loads ? kPipeLines : 0) |
-                   (plan.l2_prefetch_tiles ? kPipeL2 : 0);
+                   (plan.l2_prefetch_tiles ? kPipeL2 : 0) | (plan.l2_hint_256 ? kPipeHint256 : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);
