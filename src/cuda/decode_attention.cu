@@ -182,9 +182,9 @@ constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
 // loader: 8 threads per key, so one warp's cp.async covers 4 whole 128-byte lines (rows are
 // 1,152 = 9 x 128 B) instead of 8 half lines (the 2-stage loader's 4 threads per key): half
 // the L2 requests per byte (ncu: L2 91.8 % busy at 78 % DRAM throughput), the same pipeline.
-// It tells the ring's two changes apart. L2 holds what is prefetched until it is copied: per distance tile, 264
-// CTAs x 36,864 B = 9.7 MB of H200's 50 MB L2, so distances past ~3-4 tiles may evict rows
-// before their copy (and read them twice from DRAM).
+// It tells the ring's two changes apart. L2 holds what is prefetched until it is copied:
+// per tile of distance, 264 CTAs x 36,864 B = 9.7 MB of H200's 50 MB L2, so distances past
+// ~3-4 tiles may evict rows before their copy (and read them twice from DRAM).
 constexpr int kMaxL2AheadTiles = 8;
 // kPipeHint256 issues the key copies with the .L2::256B prefetch-size hint (DRAM fetches
 // of two lines per miss).
@@ -1056,7 +1056,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp = kRing ? smem_plan_ring() : smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
+  const SmemPlan sp =
+      kRing ? smem_plan_ring() : smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;

@@ -1115,12 +1115,7 @@ TEST(CudaDecodePipeline, RingAndL2PrefetchShapes) {
           if (c.query_lens[i] && c.seq_lens[i] >= 3) c.query_lens[i] = 1 + int(i % 3);
       c.seed = seed++;
       SCOPED_TRACE(::testing::Message() << "block size " << bs << ", heads " << heads);
-      run_case(c,
-               {{0, 16},
-                {0, 16, false, 1},
-                {0, 16, false, 300, 0, 0, 0},
-                {1, 16},
-                {3, 16}},
+      run_case(c, {{0, 16}, {0, 16, false, 1}, {0, 16, false, 300, 0, 0, 0}, {1, 16}, {3, 16}},
                pipeline_hooks("pipelines"));
     }
   }
@@ -1190,8 +1185,8 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
     ScopedEnv ring_off_again("KMLA_DECODE_RING", "0");
     EXPECT_EQ(one.num_splits, plan_decode(1, 12, 1, 65536, false).num_splits);
   }
-  for (const char* bad_value :
-       {"KMLA_DECODE_RING=3", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1", "KMLA_DECODE_L2HINT=2"}) {
+  for (const char* bad_value : {"KMLA_DECODE_RING=3", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1",
+                                "KMLA_DECODE_L2HINT=2"}) {
     const std::string kv = bad_value;
     const std::string name = kv.substr(0, kv.find('='));
     ScopedEnv bad(name.c_str(), kv.c_str() + name.size() + 1);
