@@ -83,7 +83,10 @@ struct DecodePlan {
   // warp's cp.async covers whole 128-byte lines (an A/B switch: KMLA_DECODE_RING=2).
   // l2_hint_256 issues the key copies with the .L2::256B fetch hint (KMLA_DECODE_L2HINT=1;
   // with the 2-stage loader or the ring, without line_loads or the prefetch).
+  // ring_late_pv (with `ring`, KMLA_DECODE_RING=3) runs a tile's second P V k-step after
+  // the next tile's top barrier, so the next half to copy goes out that much earlier.
   bool ring = false;
+  bool ring_late_pv = false;
   bool line_loads = false;
   int l2_prefetch_tiles = 0;
   bool l2_hint_256 = false;
@@ -105,7 +108,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1|2, KMLA_DECODE_L2PF=0..8, KMLA_DECODE_L2HINT=0|1 (all plans: speed
+// KMLA_DECODE_RING=0..3, KMLA_DECODE_L2PF=0..8, KMLA_DECODE_L2HINT=0|1 (all plans: speed
 // only). `format` is the cache format the plan will run on; only fp8_ds_mla's CTAs per SM
 // depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,

@@ -187,13 +187,17 @@ constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
 // ~3-4 tiles may evict rows before their copy (and read them twice from DRAM).
 constexpr int kMaxL2AheadTiles = 8;
 // kPipeHint256 issues the key copies with the .L2::256B prefetch-size hint (DRAM fetches
-// of two lines per miss).
+// of two lines per miss). kPipeLateVs (ring only) moves the second P V k-step of tile t - 1
+// behind the top barrier of tile t: the barrier then frees the first slot of tile t - 1
+// only, which takes half 2t + 3 (the one needed next) a P V k-step earlier; the second slot
+// is free at the barrier after the wait and takes half 2t + 4 (needed a period later).
 enum DecodePipe : int {
   kPipeStages = 0,
   kPipeRing = 1,
   kPipeL2 = 2,
   kPipeLines = 4,
-  kPipeHint256 = 8
+  kPipeHint256 = 8,
+  kPipeLateVs = 16
 };
 
 __host__ __device__ constexpr SmemPlan smem_plan_ring() {
@@ -999,6 +1003,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   constexpr bool kL2 = (kPipe & kPipeL2) != 0;
   constexpr bool kLines = (kPipe & kPipeLines) != 0;
   constexpr bool kHint256 = (kPipe & kPipeHint256) != 0;
+  constexpr bool kLateVs = (kPipe & kPipeLateVs) != 0;
+  static_assert(!kLateVs || kRing);
   auto copy16 = [](uint32_t dst, const void* src, bool ok) {
     if constexpr (kHint256)
       cp_async16_l2_256(dst, src, ok);
@@ -1214,13 +1220,39 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   constexpr bool kDepthSplitS = ROWS == 16 && STAGES > kStages;
   uint32_t qa[kDepthSplitS ? kDepthSteps : 1][4];
 
+  // kLateVs: P V k-step 1 (keys 16-31, the tile's second slot) of the last tile computed,
+  // run after the next tile's top barrier (P is still that tile's until its softmax).
+  int late_slot = 0;
+  auto pv_late = [&]() {
+    const uint32_t pa = p_base + (group * 16 + (lane & 15)) * kPStride * 2;
+    uint32_t pf[4];
+    ldsm_x4(pa + (2 + (lane >> 4)) * 16, pf);
+    const int vr = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const uint32_t v_base = smem_addr(tiles_s + late_slot * kSlotBytes);
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t b[4];
+      ldsm_x4_trans(v_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
+      mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
+      mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
+    }
+  };
+
   for (int t = 0; t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
     if constexpr (kRing) {
       // Halves 2t + 3 and 2t + 4 into the slots of tile t - 1's halves, one group each;
       // then all but the newest 3 groups (halves 2t + 2 .. 2t + 4) are in: Q and tile t.
+      // (kLateVs: the barrier above freed only the first of the two slots; tile t - 1's
+      // last P V k-step runs now, then the wait for tile t (all but 2 groups) and a
+      // barrier free the second.)
       issue_half(2 * t + 3, wrap5(ring0 + 3), next_half0);
       cp_async_commit();
+      if constexpr (kLateVs) {
+        if (t > 0) pv_late();
+        cp_async_wait<2>();
+        __syncthreads();
+      }
       issue_half(2 * t + 4, wrap5(ring0 + 4), next_half1);
       cp_async_commit();
       next_half0 = fetch_half(2 * t + 5);
@@ -1246,11 +1278,13 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       if (l2_lane) prefetch_l2(key0 + l2_ahead + t * kKeyTile + (tid >> 2), l2_block);
       l2_block = fetch_l2(t + 1);
     }
-    if constexpr (kRing)
-      cp_async_wait<3>();
-    else
-      cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
-    __syncthreads();
+    if constexpr (!kLateVs) {
+      if constexpr (kRing)
+        cp_async_wait<3>();
+      else
+        cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
+      __syncthreads();
+    }
 
     const int stage = t % STAGES;
     // The ring's two slots of tile t: keys 0-15 and 16-31 (rows 0-15 of each slot).
@@ -1479,7 +1513,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     // ---- O[:, 128 slice .. +128] += P V ----
     const uint32_t pa = p_base + (group * 16 + (lane & 15)) * kPStride * 2;
 #pragma unroll
-    for (int ks = 0; ks < kKeyTile / 16; ++ks) {
+    for (int ks = 0; ks < (kLateVs ? 1 : kKeyTile / 16); ++ks) {
       uint32_t pf[4];
       ldsm_x4(pa + (2 * ks + (lane >> 4)) * 16, pf);
       // Ring: k-step ks reads the tile's slot ks, rows 0-15.
@@ -1494,6 +1528,10 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
         mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
       }
     }
+    if constexpr (kLateVs) late_slot = slot1;
+  }
+  if constexpr (kLateVs) {
+    if (ntiles > 0) pv_late();
   }
   cp_async_wait<0>();
 
@@ -2056,13 +2094,18 @@ void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream
       return launch.template operator()<kPipeHint256>();
     case kPipeRing | kPipeHint256:
       return launch.template operator()<kPipeRing | kPipeHint256>();
+    case kPipeRing | kPipeLateVs:
+      return launch.template operator()<kPipeRing | kPipeLateVs>();
+    case kPipeRing | kPipeLateVs | kPipeL2:
+      return launch.template operator()<kPipeRing | kPipeLateVs | kPipeL2>();
     default:
       return launch.template operator()<kPipeRing | kPipeL2>();
   }
 }
 
 // The 16-row bf16 kernel's pipeline from the environment (A/B switches read at plan time):
-// KMLA_DECODE_RING=0|1|2 (2 stages, the half-tile ring, 2 stages with whole-line copies)
+// KMLA_DECODE_RING=0|1|2|3 (2 stages, the half-tile ring, 2 stages with whole-line copies,
+// the ring with its last P V k-step after the next top barrier)
 // and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off), and
 // KMLA_DECODE_L2HINT=0|1 (the copies' 256-byte L2 fetch hint). All off by default until the
 // H200 says otherwise.
@@ -2074,10 +2117,11 @@ void set_pipe_from_env(DecodePlan& plan) {
   const int hint = env_int("KMLA_DECODE_L2HINT", 0);
   KMLA_CHECK(hint == 0 || hint == 1, "decode: KMLA_DECODE_L2HINT must be 0 or 1, got ", hint);
   plan.l2_hint_256 = hint != 0;
-  KMLA_CHECK(ring >= 0 && ring <= 2, "decode: KMLA_DECODE_RING must be 0, 1 or 2, got ", ring);
+  KMLA_CHECK(ring >= 0 && ring <= 3, "decode: KMLA_DECODE_RING must be in [0, 3], got ", ring);
   KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
              kMaxL2AheadTiles, "], got ", l2);
-  plan.ring = ring == 1;
+  plan.ring = ring == 1 || ring == 3;
+  plan.ring_late_pv = ring == 3;
   plan.line_loads = ring == 2;
   plan.l2_prefetch_tiles = l2;
 }
@@ -2240,6 +2284,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   KMLA_CHECK(!(plan.ring && plan.line_loads),
              "decode: plan.ring and plan.line_loads exclude each other (the ring copies whole "
              "lines already)");
+  KMLA_CHECK(!plan.ring_late_pv || (plan.ring && !plan.l2_hint_256),
+             "decode: plan.ring_late_pv needs plan.ring (and is not compiled with the hint)");
   KMLA_CHECK(!plan.l2_hint_256 || (!plan.line_loads && plan.l2_prefetch_tiles == 0),
              "decode: plan.l2_hint_256 is compiled with the 2-stage loader and the ring only "
              "(no line loads, no L2 prefetch)");
@@ -2325,7 +2371,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
   const int pipe = (plan.ring ? kPipeRing : plan.line_loads ? kPipeLines : 0) |
-                   (plan.l2_prefetch_tiles ? kPipeL2 : 0) | (plan.l2_hint_256 ? kPipeHint256 : 0);
+                   (plan.l2_prefetch_tiles ? kPipeL2 : 0) | (plan.l2_hint_256 ? kPipeHint256 : 0) |
+                   (plan.ring_late_pv ? kPipeLateVs : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);

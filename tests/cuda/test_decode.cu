@@ -1036,10 +1036,11 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
 // ---- the 16-row bf16 kernel's key pipelines (DecodePlan::ring, line_loads, l2_prefetch_tiles)
 // The half-tile ring (five 16-key slots, tile t in slots 2t % 5 and (2t + 1) % 5), the
 // whole-line loader and the L2 prefetch change only when the key bytes arrive, never the
-// arithmetic: run_case's run hook launches every plan in nine pipelines (2-stage; ring;
+// arithmetic: run_case's run hook launches every plan in eleven pipelines (2-stage; ring;
 // 2-stage with the prefetch 8 tiles ahead; ring with it 2 ahead; line loads alone and with it
-// 3 ahead; 2-stage and ring with the copies' 256-byte L2 hint; ring with the prefetch 1
-// ahead) and requires the same bits from all; the last one is what the
+// 3 ahead; 2-stage and ring with the copies' 256-byte L2 hint; the ring with its late P V
+// k-step, alone and with the prefetch 2 ahead; ring with the prefetch 1 ahead) and requires
+// the same bits from all; the last one is what the
 // harness then compares with the oracle (and its repeat run, with the plan as made, must give
 // the bits again). A slot read before its copy landed, a tile's halves
 // swapped, a key flag from the wrong slot or a ring that loses its place between the pieces
@@ -1056,22 +1057,25 @@ CaseHooks pipeline_hooks(const std::string& label) {
     const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
     std::vector<uint16_t> out_first(rows * kKvLoraRank), out(rows * kKvLoraRank);
     std::vector<float> lse_first(rows), lse(rows);
-    // {ring, line loads, L2 prefetch distance, 256-byte hint}
-    constexpr std::array<std::array<int, 4>, 9> kPipes = {{{0, 0, 0, 0},
-                                                           {1, 0, 0, 0},
-                                                           {0, 0, 8, 0},
-                                                           {1, 0, 2, 0},
-                                                           {0, 1, 0, 0},
-                                                           {0, 1, 3, 0},
-                                                           {0, 0, 0, 1},
-                                                           {1, 0, 0, 1},
-                                                           {1, 0, 1, 0}}};
+    // {ring, line loads, L2 prefetch distance, 256-byte hint, late P V k-step}
+    constexpr std::array<std::array<int, 5>, 11> kPipes = {{{0, 0, 0, 0, 0},
+                                                            {1, 0, 0, 0, 0},
+                                                            {0, 0, 8, 0, 0},
+                                                            {1, 0, 2, 0, 0},
+                                                            {0, 1, 0, 0, 0},
+                                                            {0, 1, 3, 0, 0},
+                                                            {0, 0, 0, 1, 0},
+                                                            {1, 0, 0, 1, 0},
+                                                            {1, 0, 0, 0, 1},
+                                                            {1, 0, 2, 0, 1},
+                                                            {1, 0, 1, 0, 0}}};
     for (size_t v = 0; v < kPipes.size(); ++v) {
       DecodePlan q = plan;
       q.ring = kPipes[v][0] != 0;
       q.line_loads = kPipes[v][1] != 0;
       q.l2_prefetch_tiles = kPipes[v][2];
       q.l2_hint_256 = kPipes[v][3] != 0;
+      q.ring_late_pv = kPipes[v][4] != 0;
       ASSERT_EQ(cudaMemset(p.out, 0xFF, out.size() * 2), cudaSuccess);
       ASSERT_EQ(cudaMemset(p.lse, 0xFF, lse.size() * 4), cudaSuccess);
       decode_attention(p, q, workspace, nullptr);
@@ -1085,7 +1089,8 @@ CaseHooks pipeline_hooks(const std::string& label) {
       for (size_t i = 0; i < out.size(); ++i) differ += out[i] != out_first[i];
       for (size_t i = 0; i < lse.size(); ++i)
         differ += std::memcmp(&lse[i], &lse_first[i], 4) != 0;
-      EXPECT_EQ(differ, 0u) << "ring " << q.ring << ", line loads " << q.line_loads
+      EXPECT_EQ(differ, 0u) << "ring " << q.ring << " (late P V " << q.ring_late_pv
+                            << "), line loads " << q.line_loads
                             << ", hint " << q.l2_hint_256 << ", L2 prefetch " << q.l2_prefetch_tiles
                             << " tiles ahead: elements with other bits than the 2-stage kernel's";
     }
@@ -1178,6 +1183,13 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
       EXPECT_FALSE(l.ring);
       EXPECT_TRUE(l.line_loads);
     }
+    {
+      ScopedEnv late("KMLA_DECODE_RING", "3");
+      const DecodePlan l = plan_decode(128, 16, 1, 4096, false);
+      EXPECT_TRUE(l.ring);
+      EXPECT_TRUE(l.ring_late_pv);
+      EXPECT_FALSE(l.line_loads);
+    }
     const DecodePlan on = plan_decode(128, 16, 1, 4096, false);
     EXPECT_EQ(on.num_workers, off.num_workers);
     EXPECT_EQ(on.num_splits, off.num_splits);
@@ -1185,7 +1197,7 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
     ScopedEnv ring_off_again("KMLA_DECODE_RING", "0");
     EXPECT_EQ(one.num_splits, plan_decode(1, 12, 1, 65536, false).num_splits);
   }
-  for (const char* bad_value : {"KMLA_DECODE_RING=3", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1",
+  for (const char* bad_value : {"KMLA_DECODE_RING=4", "KMLA_DECODE_L2PF=9", "KMLA_DECODE_L2PF=-1",
                                 "KMLA_DECODE_L2HINT=2"}) {
     const std::string kv = bad_value;
     const std::string name = kv.substr(0, kv.find('='));
@@ -1206,6 +1218,11 @@ TEST(CudaDecodePipeline, PlanReadsTheSwitches) {
   bad.l2_prefetch_tiles = 0;
   bad.l2_hint_256 = true;  // not compiled with line loads
   EXPECT_THROW(decode_attention(p, bad, nullptr, nullptr), Error);
+  bad.line_loads = bad.l2_hint_256 = false;
+  bad.ring_late_pv = true;  // needs the ring
+  EXPECT_THROW(decode_attention(p, bad, nullptr, nullptr), Error);
+  bad.ring = true;
+  EXPECT_NO_THROW(decode_attention(p, bad, nullptr, nullptr));
 }
 
 // ---- the combine's two forms -------------------------------------------------------------
