@@ -54,10 +54,6 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
-  // The 16-row bf16 kernel's L2 prefetch (DecodePlan::l2_prefetch_tiles): how many tile
-  // periods ahead of its copy a key row is asked for (1..8; read only by kernels compiled
-  // with the prefetch).
-  int l2_ahead_tiles;
 };
 
 #ifdef __CUDACC__

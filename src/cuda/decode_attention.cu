@@ -166,39 +166,19 @@ __host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, 
 // and 2t + 4 are in flight or landed: 1.5 tiles, 55,296 B per CTA. A sixth slot (3 full
 // tiles) would need Q out of shared memory: Q in registers needs the depth-split S and its
 // 8-10 KB partial-S buffer (6 x 18,432 + 8,192 + ... > 115,712), so it does not fit either.
+// Its loader gives each key 8 threads (9 chunks each), so one warp's cp.async covers 4
+// aligned 128-byte lines; the 2-stage loader's 4 threads per key give 8 half lines.
 // Where this helps and where it does not: a slot comes free only when its whole tile is
 // consumed (the barrier at the top of the tile loop), so the second half of tile t + 1 is
-// issued one tile period before it is needed, as in the 2-stage kernel; the gain is the
-// first halves, issued two periods ahead. The L2 prefetch below is the other way to put
-// more bytes in flight: it needs no shared memory at all.
-constexpr int kHalfKeys = 16;                       // keys per ring slot
-constexpr int kRingSlots = 5;                       // slots in the ring
-constexpr int kSlotBytes = kHalfKeys * kRowBytes;   // 18,432 B
-// kPipe (template flags of the 16-row bf16-cache kernel, from DecodePlan::ring /
-// l2_prefetch_tiles): kPipeRing runs the ring above; kPipeL2 makes the CTA ask L2 for the
-// rows of keys it will copy a.l2_ahead_tiles tile periods later (cp.async.bulk.prefetch.L2
-// on sm_90, one 1,152-byte row per instruction): more bytes on their way from DRAM, no
-// shared memory. kPipeLines (2-stage only) copies each tile as two halves with the ring's
-// loader: 8 threads per key, so one warp's cp.async covers 4 whole 128-byte lines (rows are
-// 1,152 = 9 x 128 B) instead of 8 half lines (the 2-stage loader's 4 threads per key): half
-// the L2 requests per byte (ncu: L2 91.8 % busy at 78 % DRAM throughput), the same pipeline.
-// It tells the ring's two changes apart. L2 holds what is prefetched until it is copied:
-// per tile of distance, 264 CTAs x 36,864 B = 9.7 MB of H200's 50 MB L2, so distances past
-// ~3-4 tiles may evict rows before their copy (and read them twice from DRAM).
-constexpr int kMaxL2AheadTiles = 8;
-// kPipeHint256 issues the key copies with the .L2::256B prefetch-size hint (DRAM fetches
-// of two lines per miss). kPipeLateVs (ring only) moves the second P V k-step of tile t - 1
-// behind the top barrier of tile t: the barrier then frees the first slot of tile t - 1
-// only, which takes half 2t + 3 (the one needed next) a P V k-step earlier; the second slot
-// is free at the barrier after the wait and takes half 2t + 4 (needed a period later).
-enum DecodePipe : int {
-  kPipeStages = 0,
-  kPipeRing = 1,
-  kPipeL2 = 2,
-  kPipeLines = 4,
-  kPipeHint256 = 8,
-  kPipeLateVs = 16
-};
+// issued one tile period before it is needed, as in the 2-stage kernel; what gains are the
+// first halves, issued two periods ahead, and a piece's start (1.5 tiles issued before the
+// first wait instead of 1). Measured on H200: short pieces gain ((1, 12, 64k), 8 tiles per
+// CTA: 43.1 -> 40.1 us; (128, 16, 4k) 194.1 -> 188.9), long steady streams lose ~1.5 %
+// ((128, 12, 8k) 333.6 -> 338.6): plan_decode picks it by keys per CTA
+// (kDecodeRingMaxKeysPerCta).
+constexpr int kHalfKeys = 16;                      // keys per ring slot
+constexpr int kRingSlots = 5;                      // slots in the ring
+constexpr int kSlotBytes = kHalfKeys * kRowBytes;  // 18,432 B
 
 __host__ __device__ constexpr SmemPlan smem_plan_ring() {
   SmemPlan s;
@@ -233,27 +213,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
-// The same with the L2 prefetch-size hint of 256 bytes: a miss fetches the aligned 256 B
-// around the chunk from DRAM (two lines of the row) instead of only the sectors asked for.
-__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Asks L2 for one 1,152-byte cache row (16-byte aligned): a hint, nothing is waited for
-// (and no memory clobber: it changes no value the compiler could cache). sm_90 has a bulk
-// form (one instruction per row); sm_80 touches its 128-byte lines.
-__device__ __forceinline__ void prefetch_l2_row(const std::byte* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(kRowBytes));
-#else
-  for (int i = 0; i < kRowBytes; i += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + i));
-#endif
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
@@ -995,24 +958,11 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // kFp8 (Fp8Kernel, bf16 activations only when nonzero): which fp8 fragment path the 16-row
 // 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant); with kFp8ThreeCtas
 // the launch bounds ask for three CTAs per SM (168 registers).
-// kPipe (DecodePipe flags; 16 rows, 16-bit cache, 2 stages only): the half-tile ring and /
-// or the L2 prefetch; the arithmetic is the same in every form.
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, int kPipe = kPipeStages>
+// kRing (16 rows, 16-bit cache, 2 stages only): the half-tile ring (smem_plan_ring) instead
+// of two 32-key stages; the arithmetic is the same.
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, bool kRing = false>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
-  constexpr bool kRing = (kPipe & kPipeRing) != 0;
-  constexpr bool kL2 = (kPipe & kPipeL2) != 0;
-  constexpr bool kLines = (kPipe & kPipeLines) != 0;
-  constexpr bool kHint256 = (kPipe & kPipeHint256) != 0;
-  constexpr bool kLateVs = (kPipe & kPipeLateVs) != 0;
-  static_assert(!kLateVs || kRing);
-  auto copy16 = [](uint32_t dst, const void* src, bool ok) {
-    if constexpr (kHint256)
-      cp_async16_l2_256(dst, src, ok);
-    else
-      cp_async16(dst, src, ok);
-  };
-  static_assert(kPipe == kPipeStages || (ROWS == 16 && !kConvert && STAGES == kStages));
-  static_assert(!(kRing && kLines));
+  static_assert(!kRing || (ROWS == 16 && !kConvert && STAGES == kStages));
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
@@ -1110,7 +1060,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     if constexpr (!kConvert) {
       const uint32_t dst = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
       for (int c = my_part; c < kRowChunks; c += kThreadsPerKey)
-        copy16(dst + swz(my_key, c), src + c * 16, ok);
+        cp_async16(dst + swz(my_key, c), src + c * 16, ok);
     } else {
       const uint32_t dst = smem_addr(raw_s + (stage * kKeyTile + my_key) * a.entry_bytes);
       for (int c = my_part; c < a.entry_bytes / 16; c += kThreadsPerKey)
@@ -1134,31 +1084,14 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     const uint32_t dst = smem_addr(tiles_s + slot * kSlotBytes);
 #pragma unroll
     for (int c = h_part; c < kRowChunks; c += kThreads / kHalfKeys)
-      copy16(dst + swz(h_key, c), src + c * 16, ok);
-  };
-  // The L2 prefetch: at the top of tile t, one thread in four asks for the row of key
-  // l2_ahead + 32 t + tid / 4 of the piece (32 rows): the keys the loader copies D =
-  // a.l2_ahead_tiles tile periods later (it copies keys from kFirst + 32 t on at tile t:
-  // 2-stage tile t + 1, ring halves 2t + 3 and 2t + 4; with D = 2, tile t + 3 and halves
-  // 2t + 7, 2t + 8). The block id is read one tile ahead, like the loader's.
-  constexpr int kFirst = kRing ? 3 * kHalfKeys : kKeyTile;
-  const int l2_ahead = kFirst + (kL2 ? a.l2_ahead_tiles : 0) * kKeyTile;
-  const bool l2_lane = (tid & 3) == 0;
-  auto fetch_l2 = [&](int t) -> int {
-    const int pos = key0 + l2_ahead + t * kKeyTile + (tid >> 2);
-    return kL2 && l2_lane && pos < key1 ? table[pos / a.block_size] : -1;
-  };
-  auto prefetch_l2 = [&](int pos, int block) {
-    if (pos < key1 && block >= 0 && int64_t(block) < a.num_blocks)
-      prefetch_l2_row(a.cache_base + int64_t(block) * a.block_stride +
-                      int64_t(pos % a.block_size) * kRowBytes);
+      cp_async16(dst + swz(h_key, c), src + c * 16, ok);
   };
 
   // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
   // Q); the block id of the next tile to issue is always fetched one issue ahead. The
   // ring issues halves 0, 1 and 2 (one group each) and reads the block ids of halves 3
   // and 4, which the first tile issues.
-  int next_block = 0, next_half0 = 0, next_half1 = 0, l2_block = -1;
+  int next_block = 0, next_half0 = 0, next_half1 = 0;
   if constexpr (kRing) {
     const int b0 = fetch_half(0), b1 = fetch_half(1), b2 = fetch_half(2);
     issue_half(0, 0, b0);
@@ -1169,14 +1102,6 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     cp_async_commit();
     next_half0 = fetch_half(3);
     next_half1 = fetch_half(4);
-  } else if constexpr (kLines) {
-    // Tile 0 as halves 0 and 1 (slots 0 and 1 = stage 0), one group with Q.
-    const int b0 = fetch_half(0), b1 = fetch_half(1);
-    issue_half(0, 0, b0);
-    issue_half(1, 1, b1);
-    cp_async_commit();
-    next_half0 = fetch_half(2);
-    next_half1 = fetch_half(3);
   } else {
     next_block = fetch_block(0);
 #pragma unroll
@@ -1188,14 +1113,6 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       }
       cp_async_commit();
     }
-  }
-  if constexpr (kL2) {
-    // The keys between the prologue's copies and the first tile's prefetch (32 D of them,
-    // at most 256: two per thread), so a split's first tiles start from L2 too.
-#pragma unroll 1
-    for (int pos = key0 + kFirst + tid; pos < key0 + l2_ahead && pos < key1; pos += kThreads)
-      prefetch_l2(pos, table[pos / a.block_size]);
-    l2_block = fetch_l2(0);
   }
   // Ring slot of half 2t (the first half of the tile being computed), advanced by 2 mod 5.
   int ring0 = 0;
@@ -1220,52 +1137,17 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   constexpr bool kDepthSplitS = ROWS == 16 && STAGES > kStages;
   uint32_t qa[kDepthSplitS ? kDepthSteps : 1][4];
 
-  // kLateVs: P V k-step 1 (keys 16-31, the tile's second slot) of the last tile computed,
-  // run after the next tile's top barrier (P is still that tile's until its softmax).
-  int late_slot = 0;
-  auto pv_late = [&]() {
-    const uint32_t pa = p_base + (group * 16 + (lane & 15)) * kPStride * 2;
-    uint32_t pf[4];
-    ldsm_x4(pa + (2 + (lane >> 4)) * 16, pf);
-    const int vr = (lane & 7) + ((lane >> 3) & 1) * 8;
-    const uint32_t v_base = smem_addr(tiles_s + late_slot * kSlotBytes);
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t b[4];
-      ldsm_x4_trans(v_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
-      mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
-      mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
-    }
-  };
-
   for (int t = 0; t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
     if constexpr (kRing) {
       // Halves 2t + 3 and 2t + 4 into the slots of tile t - 1's halves, one group each;
       // then all but the newest 3 groups (halves 2t + 2 .. 2t + 4) are in: Q and tile t.
-      // (kLateVs: the barrier above freed only the first of the two slots; tile t - 1's
-      // last P V k-step runs now, then the wait for tile t (all but 2 groups) and a
-      // barrier free the second.)
       issue_half(2 * t + 3, wrap5(ring0 + 3), next_half0);
       cp_async_commit();
-      if constexpr (kLateVs) {
-        if (t > 0) pv_late();
-        cp_async_wait<2>();
-        __syncthreads();
-      }
       issue_half(2 * t + 4, wrap5(ring0 + 4), next_half1);
       cp_async_commit();
       next_half0 = fetch_half(2 * t + 5);
       next_half1 = fetch_half(2 * t + 6);
-    } else if constexpr (kLines) {
-      // Tile t + 1 as halves 2t + 2 and 2t + 3 into the stage of tile t - 1 (its two
-      // 16-key halves are slots 2 stage and 2 stage + 1), one group.
-      const int s = 2 * ((t + 1) % STAGES);
-      issue_half(2 * t + 2, s, next_half0);
-      issue_half(2 * t + 3, s + 1, next_half1);
-      cp_async_commit();
-      next_half0 = fetch_half(2 * t + 4);
-      next_half1 = fetch_half(2 * t + 5);
     } else {
       if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
         const int b = next_block;
@@ -1274,17 +1156,11 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       }
       cp_async_commit();  // group t + STAGES - 1 (maybe empty)
     }
-    if constexpr (kL2) {
-      if (l2_lane) prefetch_l2(key0 + l2_ahead + t * kKeyTile + (tid >> 2), l2_block);
-      l2_block = fetch_l2(t + 1);
-    }
-    if constexpr (!kLateVs) {
-      if constexpr (kRing)
-        cp_async_wait<3>();
-      else
-        cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
-      __syncthreads();
-    }
+    if constexpr (kRing)
+      cp_async_wait<3>();
+    else
+      cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
+    __syncthreads();
 
     const int stage = t % STAGES;
     // The ring's two slots of tile t: keys 0-15 and 16-31 (rows 0-15 of each slot).
@@ -1513,7 +1389,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     // ---- O[:, 128 slice .. +128] += P V ----
     const uint32_t pa = p_base + (group * 16 + (lane & 15)) * kPStride * 2;
 #pragma unroll
-    for (int ks = 0; ks < (kLateVs ? 1 : kKeyTile / 16); ++ks) {
+    for (int ks = 0; ks < kKeyTile / 16; ++ks) {
       uint32_t pf[4];
       ldsm_x4(pa + (2 * ks + (lane >> 4)) * 16, pf);
       // Ring: k-step ks reads the tile's slot ks, rows 0-15.
@@ -1528,10 +1404,6 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
         mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
       }
     }
-    if constexpr (kLateVs) late_slot = slot1;
-  }
-  if constexpr (kLateVs) {
-    if (ntiles > 0) pv_late();
   }
   cp_async_wait<0>();
 
@@ -1584,15 +1456,14 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 }
 
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic,
-          int kPipe = kPipeStages>
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic, bool kRing = false>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1
                                                    : kFp8 & kFp8ThreeCtas         ? 3
                                                                                   : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kPipe>(a, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kRing>(a, w);
     });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
@@ -2067,63 +1938,36 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
   KMLA_LAUNCH_CHECK();
 }
 
-// The 16-row bf16-cache kernel with the plan's key pipeline (DecodePipe); compiled for bf16
-// only (the Kimi-K3 cache), f16 keeps the 2-stage kernel. The flags are plan fields, so the
-// launch shape still depends only on the plan.
+// The 16-row bf16-cache kernel with the half-tile ring (DecodePlan::ring); compiled for
+// bf16 only (the Kimi-K3 cache): an f16 cache keeps the 2-stage kernel.
 template <class T>
-void launch_splitkv_pipe(const DecodeArgs& args, dim3 grid, int pipe, cudaStream_t stream) {
-  auto launch = [&]<int kPipe>() {
-    auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, kPipe>;
-    const int smem_bytes =
-        (kPipe & kPipeRing ? smem_plan_ring() : smem_plan(16, 0, kStages)).total;
-    KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    kernel<<<grid, 128, smem_bytes, stream>>>(args);
-    KMLA_LAUNCH_CHECK();
-  };
-  switch (pipe) {
-    case kPipeRing:
-      return launch.template operator()<kPipeRing>();
-    case kPipeL2:
-      return launch.template operator()<kPipeL2>();
-    case kPipeLines:
-      return launch.template operator()<kPipeLines>();
-    case kPipeLines | kPipeL2:
-      return launch.template operator()<kPipeLines | kPipeL2>();
-    case kPipeHint256:
-      return launch.template operator()<kPipeHint256>();
-    case kPipeRing | kPipeHint256:
-      return launch.template operator()<kPipeRing | kPipeHint256>();
-    case kPipeRing | kPipeLateVs:
-      return launch.template operator()<kPipeRing | kPipeLateVs>();
-    case kPipeRing | kPipeLateVs | kPipeL2:
-      return launch.template operator()<kPipeRing | kPipeLateVs | kPipeL2>();
-    default:
-      return launch.template operator()<kPipeRing | kPipeL2>();
-  }
+void launch_splitkv_ring(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
+  auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, true>;
+  const int smem_bytes = smem_plan_ring().total;
+  KMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<grid, 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
 }
 
-// The 16-row bf16 kernel's pipeline from the environment (A/B switches read at plan time):
-// KMLA_DECODE_RING=0|1|2|3 (2 stages, the half-tile ring, 2 stages with whole-line copies,
-// the ring with its last P V k-step after the next top barrier)
-// and KMLA_DECODE_L2PF=D (the L2 prefetch, D tile periods ahead; 0 off), and
-// KMLA_DECODE_L2HINT=0|1 (the copies' 256-byte L2 fetch hint). All off by default until the
-// H200 says otherwise.
-constexpr int kDefaultRing = 0;     // KMLA_DECODE_RING unset
-constexpr int kDefaultL2Tiles = 0;  // KMLA_DECODE_L2PF unset
-void set_pipe_from_env(DecodePlan& plan) {
-  const int ring = env_int("KMLA_DECODE_RING", kDefaultRing);
-  const int l2 = env_int("KMLA_DECODE_L2PF", kDefaultL2Tiles);
-  const int hint = env_int("KMLA_DECODE_L2HINT", 0);
-  KMLA_CHECK(hint == 0 || hint == 1, "decode: KMLA_DECODE_L2HINT must be 0 or 1, got ", hint);
-  plan.l2_hint_256 = hint != 0;
-  KMLA_CHECK(ring >= 0 && ring <= 3, "decode: KMLA_DECODE_RING must be in [0, 3], got ", ring);
-  KMLA_CHECK(l2 >= 0 && l2 <= kMaxL2AheadTiles, "decode: KMLA_DECODE_L2PF must be in [0, ",
-             kMaxL2AheadTiles, "], got ", l2);
-  plan.ring = ring == 1 || ring == 3;
-  plan.ring_late_pv = ring == 3;
-  plan.line_loads = ring == 2;
-  plan.l2_prefetch_tiles = l2;
+// Whether the ring's CTA fits this device as often per SM as the 2-stage one (so the split
+// counts, sized for the 2-stage CTA, stay right): H200 two of each.
+bool ring_fits(int smem_per_sm, int smem_per_block) {
+  const int ring = smem_plan_ring().total, two = smem_plan(16, 0, kStages).total;
+  return smem_per_block >= ring && smem_per_sm / (ring + 1024) >= smem_per_sm / (two + 1024);
+}
+
+// DecodePlan::ring for a finished plan: KMLA_DECODE_RING=0|1 forces it off / on (A/B runs;
+// on only where the ring can run: 16-row tiles, no deep pipeline, fits), unset the measured
+// rule (decode_ring_pays).
+bool choose_ring(const DecodePlan& plan, int num_requests, int64_t max_seq_len, CacheFormat format,
+                 int smem_per_sm, int smem_per_block) {
+  const int env = env_int("KMLA_DECODE_RING", -1);
+  KMLA_CHECK(env == -1 || env == 0 || env == 1, "decode: KMLA_DECODE_RING must be 0 or 1, got ",
+             env);
+  if (plan.rows_per_cta != 16 || plan.deep_pipeline || !ring_fits(smem_per_sm, smem_per_block))
+    return false;
+  return env >= 0 ? env == 1 : decode_ring_pays(plan, num_requests, max_seq_len, format);
 }
 
 }  // namespace
@@ -2139,7 +1983,6 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   plan.max_query_len = max_query_len;
   plan.portable = portable;
   plan.batch_invariant = batch_invariant;
-  set_pipe_from_env(plan);
   if (batch_invariant) {
     // The row tile from the head count alone (a layer constant), not from the batch's
     // longest query: a row's reductions do not depend on the tile size, but pinning it
@@ -2155,6 +1998,10 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     const int64_t seq = std::min<int64_t>(max_seq_len, std::numeric_limits<int32_t>::max());
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(seq, int64_t(kInvariantMinKeys)), 1,
                                               kMaxSplits));
+    int smem_per_sm = 0;
+    KMLA_CUDA_CHECK(
+        cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
     plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
     return plan;
   }
@@ -2171,11 +2018,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   plan.deep_pipeline = deep_pipeline_fits(portable, plan.rows_per_cta, smem_per_block);
   // CTAs per SM from shared memory (1 KB per CTA is reserved by the driver) and threads.
-  int smem = (plan.deep_pipeline ? deep_smem_bytes()
-              : plan.ring && plan.rows_per_cta == 16
-                  ? smem_plan_ring().total
-                  : smem_plan(plan.rows_per_cta, 0, kStages).total) +
-             1024;
+  int smem =
+      (plan.deep_pipeline ? deep_smem_bytes() : smem_plan(plan.rows_per_cta, 0, kStages).total) +
+      1024;
   // fp8_ds_mla's 16-row kernels at three CTAs per SM: their own shared memory (and launch
   // bounds) then allow three. Measured on H200 (2026-12-03, (128, 12, 8k)): folded scales
   // 330.0 against 335.4 us at two (plain fp8 lost at three, 260.1 against 255.9, and has no
@@ -2239,8 +2084,28 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
   const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
+  plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
+}
+
+int64_t decode_keys_per_cta(const DecodePlan& plan, int num_requests, int64_t max_seq_len) {
+  // Batch-invariant grids split every request into kInvariantMinKeys-key parts (more only
+  // past 1024 splits); counting the batch's own length there would let the batch pick the
+  // compiled kernel, which invariant plans keep fixed by the head count.
+  if (plan.batch_invariant) return kInvariantMinKeys;
+  if (plan.schedule == DecodeSchedule::balanced)
+    return ceil_div(int64_t(std::max(num_requests, 0)) * std::max<int64_t>(max_seq_len, 0),
+                    int64_t(std::max(plan.num_workers, 1)));
+  const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 0), int64_t(kKeyTile));
+  return ceil_div(tiles, int64_t(std::max(plan.num_splits, 1))) * kKeyTile;
+}
+
+bool decode_ring_pays(const DecodePlan& plan, int num_requests, int64_t max_seq_len,
+                      CacheFormat format) {
+  return format == CacheFormat::bf16 && plan.rows_per_cta == 16 && !plan.deep_pipeline &&
+         !plan.portable &&
+         decode_keys_per_cta(plan, num_requests, max_seq_len) <= kDecodeRingMaxKeysPerCta;
 }
 
 size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads) {
@@ -2278,17 +2143,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
              "decode: plan.max_query_len must be in [1, 128], got ", plan.max_query_len);
   KMLA_CHECK(plan.fp8_ctas_per_sm == 2 || plan.fp8_ctas_per_sm == 3,
              "decode: plan.fp8_ctas_per_sm must be 2 or 3, got ", plan.fp8_ctas_per_sm);
-  KMLA_CHECK(plan.l2_prefetch_tiles >= 0 && plan.l2_prefetch_tiles <= kMaxL2AheadTiles,
-             "decode: plan.l2_prefetch_tiles must be in [0, ", kMaxL2AheadTiles, "], got ",
-             plan.l2_prefetch_tiles);
-  KMLA_CHECK(!(plan.ring && plan.line_loads),
-             "decode: plan.ring and plan.line_loads exclude each other (the ring copies whole "
-             "lines already)");
-  KMLA_CHECK(!plan.ring_late_pv || (plan.ring && !plan.l2_hint_256),
-             "decode: plan.ring_late_pv needs plan.ring (and is not compiled with the hint)");
-  KMLA_CHECK(!plan.l2_hint_256 || (!plan.line_loads && plan.l2_prefetch_tiles == 0),
-             "decode: plan.l2_hint_256 is compiled with the 2-stage loader and the ring only "
-             "(no line loads, no L2 prefetch)");
   KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
              "decode: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
   const CacheFormat fmt = p.cache.format;
@@ -2351,7 +2205,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.sched_pair_keys = plan.sched_pair_keys;
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
-  a.l2_ahead_tiles = plan.l2_prefetch_tiles;
   if (ws.bytes) {
     std::byte* const base = static_cast<std::byte*>(workspace);
     a.ws_o = reinterpret_cast<float*>(base);
@@ -2370,17 +2223,14 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
-  const int pipe = (plan.ring ? kPipeRing : plan.line_loads ? kPipeLines : 0) |
-                   (plan.l2_prefetch_tiles ? kPipeL2 : 0) | (plan.l2_hint_256 ? kPipeHint256 : 0) |
-                   (plan.ring_late_pv ? kPipeLateVs : 0);
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);
     } else if (deep) {
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
-    } else if (rows == 16 && !convert && pipe != kPipeStages && std::is_same_v<T, bf16>) {
-      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_pipe<T>(a, grid, pipe, stream);
+    } else if (rows == 16 && !convert && plan.ring && std::is_same_v<T, bf16>) {
+      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_ring<T>(a, grid, stream);
     } else if (rows == 16) {
       convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
                                             p.cache.tile_rule == TileScaleRule::power_of_two)
