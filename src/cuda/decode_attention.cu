@@ -6,8 +6,9 @@
 // code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both. On GPUs
 // with ~210 KB of shared memory per block (Hopper) the 16-row tiles can run a deep pipeline
 // (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
-// slower) that does not fit sm_80's 163 KB. docs/decode_sm90.md describes the pipeline,
-// budgets and split policies.
+// slower) that does not fit sm_80's 163 KB; 16-row tiles over a bf16 cache with few keys
+// per CTA keep their keys in a ring of five 16-key slots instead (DecodePlan::ring, two CTAs
+// per SM still). docs/decode_sm90.md describes the pipeline, budgets and split policies.
 //
 // Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
 // activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
@@ -945,6 +946,9 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 //   sync; issue cp.async of tile t + STAGES - 1 (block id prefetched one issue earlier);
 //   wait tile t; sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale,
 //   P -> smem; sync; PV.
+// kRing (DecodePlan::ring: 16 rows, bf16 cache, short pieces) replaces the two stages by the
+// half-tile ring (smem_plan_ring): halves 2t + 3 and 2t + 4 are issued, one group each, and
+// the wait leaves 3 groups in flight; the tile's compute is the same.
 // STAGES = 2 with two CTAs per SM (the default), or the deep pipeline (kDeepStages*, one
 // CTA per SM, 4-6 tiles in flight). Measured on H200: the deep form is slower (0.65 of copy
 // bandwidth against 0.74-0.90), so a tile's compute in one CTA (~1.7 us, over the 1.2 us a
