@@ -912,15 +912,30 @@ class ScopedEnv {
   std::string old_;
 };
 
+// The 16-row plans the fp8 fragment-path tests run at each CTA count per SM: the plan's own
+// split, 3 per-request splits, and the balanced schedule over 300 workers.
+std::vector<PlanTweak> fp8_cta_tweaks(const std::vector<int>& ctas_per_sm) {
+  std::vector<PlanTweak> tweaks;
+  for (int ctas : ctas_per_sm) {
+    PlanTweak plan, split, balanced;
+    plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
+    split.num_splits = 3;
+    balanced.workers = 300;
+    plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
+    tweaks.insert(tweaks.end(), {plan, split, balanced});
+  }
+  return tweaks;
+}
+
 // Every fragment-path kernel under bf16 activations, on the same cases: plain fp8 (f16 mma),
 // fp8_ds_mla at two and three CTAs per SM (DecodePlan::fp8_ctas_per_sm; three: 3 raw
 // stages, P V converting its codes a second time from the raw tile), with its scales folded
 // into S and P on f16 mma (the default for power-of-two scales) and not (KMLA_FP8_DSFOLD=0:
-// the kernels amax-rule scales always take). Block
-// sizes 16 / 64 / 256 with head counts rotating through 1, 3, 12, 16, lengths around the
-// 32-key tile and the 3- and 4-tile rings, plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile
-// scales up to 2^6 apart inside a row and between keys, and amax-rule scales (not powers of
-// two: these must not be folded, the fold would round the keys differently), so a code pair
+// the kernels amax-rule scales always take). Block sizes 16 / 64 / 256 with head counts
+// rotating through 1, 3, 12, 16, lengths around the 32-key tile and the 3- and 4-tile rings,
+// plain fp8 k_scale 2^-20 and 8, fp8_ds_mla tile scales up to 2^6 apart inside a row and
+// between keys, and amax-rule scales (not powers of two: these must not be folded, the fold
+// would round the keys differently), so a code pair
 // in the wrong k-index, a stage of the smaller ring read too early, a scale on the wrong key
 // or group (in S or in P), or a partial S from the wrong warp shows. The plans also go
 // through the per-request splits and the balanced schedule with hundreds of workers, so a
@@ -953,17 +968,9 @@ TEST(CudaDecode, Fp8FragmentPathVariants) {
         SCOPED_TRACE(::testing::Message()
                      << cache_format_name(format) << ", fold " << fold << ", block size " << bs
                      << ", heads " << heads << (i == 4 ? ", amax scales" : ""));
-        std::vector<PlanTweak> tweaks;
-        for (int ctas : {2, 3}) {
-          if (ctas == 3 && format == CacheFormat::fp8) continue;  // no 3-CTA plain kernel
-          PlanTweak plan, split, balanced;
-          plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
-          split.num_splits = 3;
-          balanced.workers = 300;
-          plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
-          tweaks.insert(tweaks.end(), {plan, split, balanced});
-        }
-        run_case(c, tweaks);
+        // (plain fp8 has no 3-CTA kernel)
+        run_case(c, fp8_cta_tweaks(format == CacheFormat::fp8 ? std::vector<int>{2}
+                                                               : std::vector<int>{2, 3}));
       }
     }
   }
@@ -1008,16 +1015,7 @@ TEST(CudaDecode, DsMlaF16WideScales) {
       SCOPED_TRACE(::testing::Message()
                    << "fold " << fold << ", scales 2^[" << w.lo << ", " << w.hi
                    << "], q code part x " << w.q_code_amp << ", heads " << w.heads);
-      std::vector<PlanTweak> tweaks;
-      for (int ctas : {2, 3}) {
-        PlanTweak plan, split, balanced;
-        plan.fp8_ctas = split.fp8_ctas = balanced.fp8_ctas = ctas;
-        split.num_splits = 3;
-        balanced.workers = 300;
-        plan.rows_per_cta = split.rows_per_cta = balanced.rows_per_cta = 16;
-        tweaks.insert(tweaks.end(), {plan, split, balanced});
-      }
-      run_case(c, tweaks);
+      run_case(c, fp8_cta_tweaks({2, 3}));
     }
   }
 }
