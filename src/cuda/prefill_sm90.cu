@@ -229,6 +229,17 @@ __device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
   return causal ? min(max(m - n + row + 1, 0), m) : m;
 }
 
+// Item `lin` of one sequence's nbx query blocks x H heads in the launch order described above
+// the kernel: heads in groups of G (the last group may be smaller; G = 1 is head after
+// head), inside a group blocks slowest and heads fastest, the heaviest (last) block first.
+// Returns {head, block}.
+__device__ __forceinline__ int2 group_order(int lin, int nbx, int G, int H) {
+  const int g0 = lin / (G * nbx) * G;  // first head of the group
+  const int hs = min(G, H - g0);       // heads in this group
+  const int r = lin - g0 * nbx;        // in [0, hs * nbx)
+  return make_int2(g0 + r % hs, nbx - 1 - r / hs);
+}
+
 // ---- the compact grid (Sm90Options::compact) ------------------------------------------
 // A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks:
 // the sequences in the caller's order, each sequence's items in the 3-D grid's order (its
@@ -270,12 +281,10 @@ __device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_gr
       const int hit = __ffs(int(hits)) - 1;
       const int lin = rest - __shfl_sync(0xffffffffu, incl - items, hit);
       const int nbx = __shfl_sync(0xffffffffu, nb, hit);
-      const int g0 = lin / (G * nbx) * G;  // first head of the group
-      const int hs = min(G, H - g0);       // heads in this group
-      const int r = lin - g0 * nbx;        // in [0, hs * nbx)
       const int seq = s0 + hit;
-      it.head = g0 + r % hs;
-      it.block = nbx - 1 - r / hs;
+      const int2 hb = group_order(lin, nbx, G, H);
+      it.head = hb.x;
+      it.block = hb.y;
       it.q_begin = __ldg(p.cu_q + seq);
       it.n = __ldg(p.cu_q + seq + 1) - it.q_begin;
       it.k_begin = __ldg(p.cu_k + seq);
@@ -349,40 +358,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Which (head, query block, sequence) this CTA takes: see the grid order above the kernel
   // (3-D grid) or above compact_item (1-D grid).
-  __shared__ int item_smem[6];
-  int head, block, q_begin, n, k_begin, m;
+  __shared__ CompactItem item_smem;
+  CompactItem it;
   if (!compact) {
-    head = int(blockIdx.y);
-    int rank = int(blockIdx.x);  // head_group 0: blocks fastest
-    if (head_group > 0) {
-      const int nbx = int(gridDim.x);
-      const int lin = int(blockIdx.y) * nbx + int(blockIdx.x);  // launch order within the seq
-      const int g0 = lin / (head_group * nbx) * head_group;     // first head of the group
-      const int hs = min(head_group, p.heads - g0);             // heads in this group
-      const int r = lin - g0 * nbx;                             // in [0, hs * nbx)
-      head = g0 + r % hs;
-      rank = r / hs;
-    }
+    // head_group 0 (blocks fastest, head after head) is the group order with G = 1.
+    const int nbx = int(gridDim.x);
+    const int2 hb = group_order(int(blockIdx.y) * nbx + int(blockIdx.x), nbx,
+                                max(head_group, 1), p.heads);
     const int seq = blockIdx.z;
-    q_begin = p.cu_q[seq];
-    n = p.cu_q[seq + 1] - q_begin;
-    k_begin = p.cu_k[seq];
-    m = p.cu_k[seq + 1] - k_begin;
-    const int num_blocks = (n + kBlockM - 1) / kBlockM;
-    block = num_blocks - 1 - rank;
-    if (block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
+    it.head = hb.x;
+    it.q_begin = p.cu_q[seq];
+    it.n = p.cu_q[seq + 1] - it.q_begin;
+    it.k_begin = p.cu_k[seq];
+    it.m = p.cu_k[seq + 1] - it.k_begin;
+    // the grid has blocks for the longest sequence: the first nbx - num_blocks ranks of
+    // this one have none
+    it.block = hb.y - (nbx - (it.n + kBlockM - 1) / kBlockM);
+    if (it.block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
   } else if (threadIdx.x < 32) {
     // Warp 0 finds the item and hands it to the others through shared memory (published
     // by the __syncthreads below).
-    const CompactItem it = compact_item(p, int(blockIdx.x), head_group);
-    if (threadIdx.x == 0) {
-      item_smem[0] = it.head;
-      item_smem[1] = it.block;
-      item_smem[2] = it.q_begin;
-      item_smem[3] = it.n;
-      item_smem[4] = it.k_begin;
-      item_smem[5] = it.m;
-    }
+    const CompactItem found = compact_item(p, int(blockIdx.x), head_group);
+    if (threadIdx.x == 0) item_smem = found;
   }
 
   const int tid = threadIdx.x;
@@ -402,14 +399,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (compact) {
-    head = item_smem[0];
-    block = item_smem[1];
-    q_begin = item_smem[2];
-    n = item_smem[3];
-    k_begin = item_smem[4];
-    m = item_smem[5];
-    if (block < 0) return;  // past the batch's items (uniform: the whole CTA leaves)
+    it = item_smem;
+    if (it.block < 0) return;  // past the batch's items (uniform: the whole CTA leaves)
   }
+  const int head = it.head, block = it.block, q_begin = it.q_begin, n = it.n,
+            k_begin = it.k_begin, m = it.m;
   const int q0 = block * kBlockM;
   const bool causal = p.causal;
   const int last_row = min(q0 + kBlockM, n) - 1;
