@@ -2,6 +2,7 @@
 #include "bench/cases.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 namespace kmla::bench {
@@ -36,6 +37,12 @@ double decode_bytes(int64_t batch, int64_t seq, CacheFormat format) {
 double prefill_pairs(int64_t tokens, bool causal) {
   const double t = double(tokens);
   return causal ? t * (t + 1) / 2 : t * t;
+}
+
+int tokens_with_pairs(double pairs, bool causal) {
+  // Causal: T (T + 1) / 2 = pairs at T = (sqrt(8 pairs + 1) - 1) / 2; otherwise T = sqrt(pairs).
+  const double t = causal ? (std::sqrt(8.0 * pairs + 1.0) - 1.0) / 2.0 : std::sqrt(pairs);
+  return std::max(1, int(std::lround(t)));
 }
 
 double prefill_flops(int64_t heads, double pairs) {
@@ -204,7 +211,7 @@ std::vector<Case> standard_cases() {
       // Mixed batches against the uniform ones above (same mean bytes / FLOPs).
       mixed_decode_case(128, 12, 8192, 1),
       mixed_decode_case(128, 12, 8192, 4),
-      // 16 sequences of 1..8192 tokens (32k in all) against prefill/t8192_h16 and t32768_h16.
+      // 16 sequences of 1..8192 tokens (32k in all) against one sequence of the same FLOPs.
       varlen_prefill_case({8192, 5000, 4096, 3333, 2500, 2048, 1800, 1500, 1200, 1025, 1000,
                            513, 300, 255, 3, 1},
                           16),
@@ -272,11 +279,11 @@ Case custom_case(const BenchOptions& o) {
   return layer_case(Kind::layer_prefill, o.model, tp, 0, 0, 0, t, o.block_size, f);
 }
 
-std::vector<int32_t> random_block_tables(int requests, int64_t blocks_each, uint64_t seed) {
+std::vector<int32_t> block_tables(int requests, int64_t blocks_each, uint64_t seed, bool shuffle) {
   std::vector<int32_t> ids(size_t(requests * blocks_each));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
   std::mt19937_64 rng(seed);
-  std::shuffle(ids.begin(), ids.end(), rng);
+  if (shuffle) std::shuffle(ids.begin(), ids.end(), rng);
   return ids;
 }
 

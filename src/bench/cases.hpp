@@ -28,6 +28,9 @@ double decode_bytes(int64_t batch, int64_t seq, CacheFormat format);
 // (query, key) pairs one sequence of `tokens` queries over the same `tokens` keys attends:
 // T(T+1)/2 causal, T^2 otherwise.
 double prefill_pairs(int64_t tokens, bool causal);
+// The length of the one sequence whose prefill_pairs is nearest `pairs` (the single-sequence
+// reference of a variable-length batch with the same FLOPs).
+int tokens_with_pairs(double pairs, bool causal);
 
 // Prefill attention FLOPs: a 192-wide QK and a 128-wide PV product per pair and head,
 // 2 * H * (192 + 128) * pairs.
@@ -76,9 +79,12 @@ Case prefill_fp8_case(int tokens, int heads, bool causal = true);
 Case layer_case(Kind kind, const std::string& model, int tp, int batch, int seq, int q_len,
                 int tokens, int block_size = 64, CacheFormat f = CacheFormat::bf16);
 
-// decode_case with mixed lengths (see Case::mixed); named like it with a "_mixed" suffix.
+// decode_case with mixed lengths (see Case::mixed); named like it with a "_mixed" suffix. Its
+// report line gives the uniform case's rate, timed right before, applied to its bytes.
 Case mixed_decode_case(int batch, int heads, int seq, int q_len);
-// One variable-length prefill batch of `lengths` sequences (causal), `heads` heads.
+// One variable-length prefill batch of `lengths` sequences (causal), `heads` heads. Its report
+// line gives the time of its FLOPs at the rate of one sequence with the same (query, key)
+// pairs, timed right before.
 Case varlen_prefill_case(const std::vector<int>& lengths, int heads);
 // SPEC's chunked-context prefill: `tokens` new tokens of one request over `context` cached
 // ones gathered in `chunks` chunks, on the preset's tp slice. Its time is everything the
@@ -108,7 +114,8 @@ std::vector<Case> cp_cases(int cp);
 Case custom_case(const BenchOptions& options);
 
 // `requests` x `blocks_each` block ids: a random permutation of all of them, so no request
-// reads contiguous memory. Deterministic in `seed`.
-std::vector<int32_t> random_block_tables(int requests, int64_t blocks_each, uint64_t seed);
+// reads contiguous memory (deterministic in `seed`), or with `shuffle` false the ids in order
+// (`kmla bench --sequential-blocks`: what scattered blocks cost).
+std::vector<int32_t> block_tables(int requests, int64_t blocks_each, uint64_t seed, bool shuffle);
 
 }  // namespace kmla::bench

@@ -704,6 +704,8 @@ int main(int argc, char** argv) {
   bench->add_flag("--non-causal", bench_non_causal, "non-causal multi-token decode / prefill");
   bench->add_option("--model", bo.model, "model preset of the layer cases")->check(CLI::IsMember(MlaConfig::preset_names()));
   bench->add_flag("--portable", bo.portable, "force the portable sm_80 kernels");
+  bench->add_flag("--sequential-blocks", bo.sequential_blocks,
+                  "give each request's cache blocks in order (default: a random permutation of all blocks)");
   int bench_tp = 0, bench_cp = 0;
   bench->add_option("--tp", bench_tp,
                     "the K3 layer cases at this tensor-parallel world, one process per GPU through NCCL "
