@@ -5,6 +5,7 @@
 #include "bench/bench.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/cases.hpp"
@@ -165,6 +167,12 @@ class Timer {
   Timer& operator=(const Timer&) = delete;
 
   double median_us(const std::function<void()>& body, int warmup, int iters) {
+    // Let the device settle first: right after cudaFree of large buffers (the previous case's)
+    // and new allocations, reads ran up to 12 % slower for ~10 ms on the H200 (a read probe
+    // after freeing 4 GiB: median 4.31-4.37 TB/s in its first 12 runs, 4.48 after), which made
+    // every case's numbers depend on what the one before it freed.
+    KMLA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::this_thread::sleep_for(std::chrono::milliseconds(kSettleMs));
     for (int i = 0; i < warmup; ++i) body();
     std::vector<double> us;
     for (int i = 0; i < std::max(iters, 1); ++i) {
@@ -183,6 +191,7 @@ class Timer {
   }
 
  private:
+  static constexpr int kSettleMs = 100;
   cudaStream_t stream_;
   DeviceBuffer flush_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
