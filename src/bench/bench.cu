@@ -168,7 +168,7 @@ class Timer {
 
   double median_us(const std::function<void()>& body, int warmup, int iters) {
     // Let the device settle first: right after cudaFree of large buffers (the previous case's)
-    // and new allocations, reads ran up to 12 % slower for ~10 ms on the H200 (a read probe
+    // and new allocations, reads ran up to 12 % slower for ~10-20 ms on the H200 (a read probe
     // after freeing 4 GiB: median 4.31-4.37 TB/s in its first 12 runs, 4.48 after), which made
     // every case's numbers depend on what the one before it freed.
     KMLA_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -214,9 +214,9 @@ double measure_copy_gb_s(Timer& timer, cudaStream_t s) {
 
 // Read-only stream: each thread keeps 8 independent 16-byte loads in flight (grid-stride,
 // read-only path), folds them into one word and stores it only if it equals a value the fill
-// never produces, so the loads cannot be dropped and nothing is written. On the H200 this
-// form measured 4.60 TB/s, as fast as bulk (TMA) copies into shared memory (4.55-4.65);
-// streaming loads (ld.global.cs) reached 4.45 and the L2 256-byte prefetch hint 4.26.
+// never produces, so the loads cannot be dropped and nothing is written. In a standalone probe
+// on two H200s this form read 4.48-4.60 TB/s, as fast as bulk (TMA) copies into shared memory
+// (4.55-4.65); streaming loads (ld.global.cs) reached 4.45 and the L2 256-byte hint 4.26.
 __global__ void read_stream_kernel(const uint4* __restrict__ src, size_t n, uint4* sink) {
   constexpr int kUnroll = 8;
   const size_t stride = size_t(gridDim.x) * blockDim.x;

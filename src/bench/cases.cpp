@@ -282,8 +282,7 @@ Case custom_case(const BenchOptions& o) {
 std::vector<int32_t> block_tables(int requests, int64_t blocks_each, uint64_t seed, bool shuffle) {
   std::vector<int32_t> ids(size_t(requests * blocks_each));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
-  std::mt19937_64 rng(seed);
-  if (shuffle) std::shuffle(ids.begin(), ids.end(), rng);
+  if (shuffle) std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
   return ids;
 }
 

@@ -216,9 +216,9 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 }
 // The same with the 256-byte L2 prefetch-size hint: a miss fetches the aligned 256 bytes
 // around the chunk from DRAM, not only the sectors asked for. The 16-bit key loaders below use
-// it; on the H200 it made the 2-stage 16-row kernel 1.2-1.5 % faster on every long stream
-// (e.g. (128, 12, 8k) 332.7 -> 328.7 us, two alternations), where L2 was the busiest unit
-// (91.5 %) with DRAM at 78 %.
+// it; on the H200 it made the 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and
+// block size (e.g. (128, 12, 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was
+// the busiest unit (91.5 %) with DRAM at 78 %; the ring's shapes did not move.
 __device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
