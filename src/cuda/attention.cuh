@@ -85,7 +85,8 @@ struct DecodePlan {
   // barrier per 32-key tile (decode_attention.cu, splitkv_piece's kWarpOwn). The same shared
   // memory and grid as the 2-stage kernel; S is added in another order, so the last bits
   // differ (within the oracle's tolerance). Off unless KMLA_DECODE_ROW16=31 (an A/B switch,
-  // unmeasured); wins over `ring` when both are set. Callers may set it for 16-row plans.
+  // unmeasured; on for every non-portable bf16 plan then, read only where the 2-stage
+  // 16-row kernel runs); wins over `ring` when both are set.
   bool row16_warp_own = false;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are

@@ -2340,14 +2340,14 @@ bool choose_ring(const DecodePlan& plan, int num_requests, int64_t max_seq_len, 
 }
 
 // DecodePlan::row16_warp_own for a finished plan: KMLA_DECODE_ROW16=31 (the form's number
-// on branch rowilp) turns it on where it can run (16-row tiles over a bf16 cache, no deep
-// pipeline, not portable), unset or 0 leaves it off. An A/B switch until the H200 says
-// whether it pays; it changes the bits (S is added in another order), not the tolerance.
+// on branch rowilp) turns it on for plans over a bf16 cache that are not portable, unset or
+// 0 leaves it off. Only the 2-stage 16-row kernel reads it (like the ring), so a plan whose
+// row tile a caller changes to 16 later keeps it. An A/B switch until the H200 says whether
+// it pays; it changes the bits (S is added in another order), not the tolerance.
 bool choose_row16_warp_own(const DecodePlan& plan, CacheFormat format) {
   const int env = env_int("KMLA_DECODE_ROW16", 0);
   KMLA_CHECK(env == 0 || env == 31, "decode: KMLA_DECODE_ROW16 must be 0 or 31, got ", env);
-  return env == 31 && plan.rows_per_cta == 16 && !plan.deep_pipeline && !plan.portable &&
-         format == CacheFormat::bf16;
+  return env == 31 && !plan.portable && format == CacheFormat::bf16;
 }
 
 }  // namespace
