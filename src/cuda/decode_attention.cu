@@ -1207,8 +1207,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   auto issue_own = [&](int tile, int block) {
     const int stage = tile % STAGES;
     bool ok;
-    const std::byte* src = decode_key_src(a, key0 + tile * kKeyTile + lane, key1, block,
-                                          a.entry_bytes, warp == 0, ok);
+    const std::byte* src =
+        decode_key_src(a, key0 + tile * kKeyTile + lane, key1, block, a.entry_bytes, warp == 0, ok);
     const uint32_t bits = __ballot_sync(0xffffffffu, ok);
     if (stage)
       ok_bits1 = bits;
@@ -1224,9 +1224,9 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 #pragma unroll
     for (int q = 0; q < 4; ++q) {  // keys 8 q + sub
       const int key = 8 * q + sub;
-      const std::byte* const s0 = reinterpret_cast<const std::byte*>(
-                                      __shfl_sync(0xffffffffu, mine, key)) +
-                                  256 * warp + 16 * part;
+      const std::byte* const s0 =
+          reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, mine, key)) + 256 * warp +
+          16 * part;
       const bool valid = (bits >> key) & 1u;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {  // 128 B of the row per i: chunks part and 4 + part
@@ -1337,7 +1337,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       s_off[m] = s_row + (((2 * m + hb) ^ r7) << 4);
       v_off[m] = v_row + (((2 * m + (lane >> 4)) ^ r7) << 4);
     }
-    const uint32_t s_rope = (r7 + ((lane >> 4) << 3)) * kRowBytes + ((64 + ((2 * slice + hb) ^ r7)) << 4);
+    const uint32_t s_rope =
+        (r7 + ((lane >> 4) << 3)) * kRowBytes + ((64 + ((2 * slice + hb) ^ r7)) << 4);
     const int tq = lane & 3;
     const float scale = a.score_scale_log2;
     for (int t = 0; t < ntiles; ++t) {
@@ -1465,10 +1466,9 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       // tile of the other forms is (the row sums l keep the fp32 p) ----
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const uint32_t pf[4] = {pack2<T>(s[2 * k][0], s[2 * k][1]),
-                                pack2<T>(s[2 * k][2], s[2 * k][3]),
-                                pack2<T>(s[2 * k + 1][0], s[2 * k + 1][1]),
-                                pack2<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+        const uint32_t pf[4] = {
+            pack2<T>(s[2 * k][0], s[2 * k][1]), pack2<T>(s[2 * k][2], s[2 * k][3]),
+            pack2<T>(s[2 * k + 1][0], s[2 * k + 1][1]), pack2<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
           uint32_t b[4];
