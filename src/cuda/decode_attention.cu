@@ -8,7 +8,9 @@
 // (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
 // slower) that does not fit sm_80's 163 KB; 16-row tiles over a bf16 cache with few keys
 // per CTA keep their keys in a ring of five 16-key slots instead (DecodePlan::ring, two CTAs
-// per SM still). docs/decode_sm90.md describes the pipeline, budgets and split policies.
+// per SM still); an A/B form of the 16-row bf16 kernel has each warp copy and wait for
+// only the key columns it reads (DecodePlan::row16_warp_own, KMLA_DECODE_ROW16=31, not yet
+// timed). docs/decode_sm90.md describes the pipeline, budgets and split policies.
 //
 // Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
 // activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
@@ -1318,7 +1320,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     // Shared memory: the 2-stage plan unchanged (94,016 B): Q 18,432 holds 2 x 8,192 of
     // partial S; P, the key flags and the maxima are unused.
     // Registers per thread: 64 accumulators + 36 Q fragment + 16 S + 16 partial S + 8
-    // fragment + addressing (~205 on rowilp, below the 255 two CTAs of 128 threads allow).
+    // fragment + addressing: ptxas 205 (sm_90a) / 202 (sm_80), no spills; two CTAs of 128
+    // threads allow 255.
     static_assert(2 * 4 * 4 * 32 * int(sizeof(float4)) <= 16 * kRowBytes,
                   "two partial-S buffers fit in the Q buffer");
     uint32_t qf[kDepthSteps][4];
