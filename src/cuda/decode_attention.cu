@@ -1201,9 +1201,11 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   // tile's 2,304 copies. Lane l resolves key l (one block-table read and one division by
   // the block size, as before) and the warp passes the source pointers by shuffles. Main
   // columns: copy i of lane l is chunk 16 w + 8 (i % 4 / 2) + 4 (i % 2) + l % 4 of key
-  // 8 (i / 4) + l / 4, so 4 lanes read 64 contiguous bytes and each 8-lane phase of the
-  // shared stores hits 8 different 16-byte bank slots (the keys' low 3 bits differ). RoPE:
-  // lane pairs read the 32 bytes of one key. The key flags stay in registers (a ballot per
+  // 8 (i / 4) + l / 4, so 4 lanes read 64 contiguous bytes. Each 8-lane phase of the
+  // shared stores covers 2 keys x 4 chunks, i.e. 4 of the 8 16-byte bank slots (chunk ^ key
+  // % 8): a 2-way conflict, as in the shared loader (lane -> key l % 8, chunk l / 8 would
+  // avoid it with the same global sectors per instruction; not done, to keep this form as
+  // rowilp built it). RoPE: lane pairs read the 32 bytes of one key. The key flags stay in registers (a ballot per
   // issue, one word per stage): no shared flags another warp could rewrite under a reader.
   uint32_t ok_bits0 = 0u, ok_bits1 = 0u;  // stages 0 and 1 (scalars: no local-memory array)
   auto issue_own = [&](int tile, int block) {
