@@ -80,6 +80,14 @@ struct DecodePlan {
   // per SM as the 2-stage one; KMLA_DECODE_RING=0|1 forces it off / on. Callers may set it
   // for 16-row plans on a GPU that fits it.
   bool ring = false;
+  // The 16-row kernel over a bf16 cache (other kernels ignore it) in its warp-own form: each
+  // warp copies the key columns it reads and waits for its own copies only, with one CTA
+  // barrier per 32-key tile (decode_attention.cu, splitkv_piece's kWarpOwn). The same shared
+  // memory and grid as the 2-stage kernel; S is added in another order, so the last bits
+  // differ (within the oracle's tolerance). Off unless KMLA_DECODE_ROW16=31 (an A/B switch,
+  // unmeasured; on for every non-portable bf16 plan then, read only where the 2-stage
+  // 16-row kernel runs); wins over `ring` when both are set.
+  bool row16_warp_own = false;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
   // bitwise the same whatever else is in the batch. num_splits is then the grid's split
@@ -98,7 +106,8 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1 (all plans: speed only). `format` is the cache format the plan will
+// KMLA_DECODE_RING=0|1 (all plans: speed only), KMLA_DECODE_ROW16=0|31 (the 16-row bf16
+// kernel's warp-own form, DecodePlan::row16_warp_own). `format` is the cache format the plan will
 // run on; fp8_ds_mla's CTAs per SM and the bf16 ring depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,

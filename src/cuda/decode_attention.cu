@@ -8,7 +8,9 @@
 // (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
 // slower) that does not fit sm_80's 163 KB; 16-row tiles over a bf16 cache with few keys
 // per CTA keep their keys in a ring of five 16-key slots instead (DecodePlan::ring, two CTAs
-// per SM still). docs/decode_sm90.md describes the pipeline, budgets and split policies.
+// per SM still); an A/B form of the 16-row bf16 kernel has each warp copy and wait for
+// only the key columns it reads (DecodePlan::row16_warp_own, KMLA_DECODE_ROW16=31, not yet
+// timed). docs/decode_sm90.md describes the pipeline, budgets and split policies.
 //
 // Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
 // activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
@@ -1048,9 +1050,14 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // the launch bounds ask for three CTAs per SM (168 registers).
 // kRing (16 rows, 16-bit cache, 2 stages only): the half-tile ring (smem_plan_ring) instead
 // of two 32-key stages; the arithmetic is the same.
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, bool kRing = false>
+// kWarpOwn (DecodePlan::row16_warp_own: 16 rows, 16-bit cache, 2 stages, no ring): every
+// warp copies exactly the key columns it reads and waits only for its own copies; S is
+// split by depth, so the sums come in another order (see "warp-own form" below).
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, bool kRing = false,
+          bool kWarpOwn = false>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
   static_assert(!kRing || (ROWS == 16 && !kConvert && STAGES == kStages));
+  static_assert(!kWarpOwn || (ROWS == 16 && !kConvert && STAGES == kStages && !kRing));
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
@@ -1141,8 +1148,9 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 
   // ---- key tile loader: thread -> (key, part); each key's row is copied by
-  // kThreadsPerKey threads, which needs one block-table lookup per thread and tile ----
-  const int my_key = tid / kThreadsPerKey, my_part = tid % kThreadsPerKey;
+  // kThreadsPerKey threads, which needs one block-table lookup per thread and tile (the
+  // warp-own form: lane l of every warp looks up key l) ----
+  const int my_key = kWarpOwn ? lane : tid / kThreadsPerKey, my_part = tid % kThreadsPerKey;
   const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
   auto fetch_block = [&](int tile) -> int {  // block id of my key in `tile`, read only if used
     const int pos = key0 + tile * kKeyTile + my_key;
@@ -1184,6 +1192,64 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       cp_async16_l2_256(dst + swz(h_key, c), src + c * 16, ok);
   };
 
+  // ---- warp-own form (kWarpOwn): who copies what ----
+  // With the depth-split S below, warp w reads only output columns [128 w, 128 w + 128)
+  // (chunks 16 w .. 16 w + 15: its 8 S k-steps and its P V columns) and RoPE k-step 32 + w
+  // (chunks 64 + 2 w, 65 + 2 w) of each of the 32 keys. So it copies exactly those, 18
+  // chunks per lane as in the shared loader, and only its own cp.async groups and a
+  // __syncwarp stand between the copy and the reads: no CTA-wide wait for the slowest of the
+  // tile's 2,304 copies. Lane l resolves key l (one block-table read and one division by
+  // the block size, as before) and the warp passes the source pointers by shuffles. Main
+  // columns: copy i of lane l is chunk 16 w + 8 (i % 4 / 2) + 4 (i % 2) + l % 4 of key
+  // 8 (i / 4) + l / 4, so 4 lanes read 64 contiguous bytes. Each 8-lane phase of the
+  // shared stores covers 2 keys x 4 chunks, i.e. 4 of the 8 16-byte bank slots (chunk ^ key
+  // % 8): a 2-way conflict, as in the shared loader (lane -> key l % 8, chunk l / 8 would
+  // avoid it with the same global sectors per instruction; not done, to keep this form as
+  // rowilp built it). RoPE: lane pairs read the 32 bytes of one key. The key flags stay in registers (a ballot per
+  // issue, one word per stage): no shared flags another warp could rewrite under a reader.
+  uint32_t ok_bits0 = 0u, ok_bits1 = 0u;  // stages 0 and 1 (scalars: no local-memory array)
+  auto issue_own = [&](int tile, int block) {
+    const int stage = tile % STAGES;
+    bool ok;
+    const std::byte* src =
+        decode_key_src(a, key0 + tile * kKeyTile + lane, key1, block, a.entry_bytes, warp == 0, ok);
+    const uint32_t bits = __ballot_sync(0xffffffffu, ok);
+    if (stage)
+      ok_bits1 = bits;
+    else
+      ok_bits0 = bits;
+    // (decode_key_src gives the cache's first entry for a key not loaded: never read, as
+    // the copy's source size is then 0 and the destination is zero-filled.)
+    const unsigned long long mine = reinterpret_cast<unsigned long long>(src);
+    const int sub = lane >> 2, part = lane & 3;
+    const uint32_t base = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
+    const uint32_t d_lo = base + sub * kRowBytes + 256 * warp + ((part ^ sub) << 4);
+    const uint32_t d_hi = base + sub * kRowBytes + 256 * warp + (((4 + part) ^ sub) << 4);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // keys 8 q + sub
+      const int key = 8 * q + sub;
+      const std::byte* const s0 =
+          reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, mine, key)) + 256 * warp +
+          16 * part;
+      const bool valid = (bits >> key) & 1u;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // 128 B of the row per i: chunks part and 4 + part
+        cp_async16_l2_256(d_lo + 8 * q * kRowBytes + 128 * i, s0 + 128 * i, valid);
+        cp_async16_l2_256(d_hi + 8 * q * kRowBytes + 128 * i, s0 + 128 * i + 64, valid);
+      }
+    }
+    // RoPE: chunk rc of keys rk and 16 + rk (the same low 3 bits, so the same swizzle)
+    const int rk = lane >> 1, rc = 64 + 2 * warp + (lane & 1);
+    const uint32_t d_rope = base + swz(rk, rc);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int key = 16 * r2 + rk;
+      const std::byte* const s0 =
+          reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, mine, key));
+      cp_async16_l2_256(d_rope + 16 * r2 * kRowBytes, s0 + 16 * rc, (bits >> key) & 1u);
+    }
+  };
+
   // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
   // Q); the block id of the next tile to issue is always fetched one issue ahead. The
   // ring issues halves 0, 1 and 2 (one group each) and reads the block ids of halves 3
@@ -1200,13 +1266,17 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     next_half0 = fetch_half(3);
     next_half1 = fetch_half(4);
   } else {
+    // (The warp-own form issues both stages here: its refills come after each tile's P V.)
     next_block = fetch_block(0);
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
+    for (int i = 0; i < (kWarpOwn ? STAGES : STAGES - 1); ++i) {
       if (i < ntiles) {
         const int b = next_block;
         next_block = fetch_block(i + 1);
-        issue(i, b);
+        if constexpr (kWarpOwn)
+          issue_own(i, b);
+        else
+          issue(i, b);
       }
       cp_async_commit();
     }
@@ -1234,7 +1304,198 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   constexpr bool kDepthSplitS = ROWS == 16 && STAGES > kStages;
   uint32_t qa[kDepthSplitS ? kDepthSteps : 1][4];
 
-  for (int t = 0; t < ntiles; ++t) {
+  if constexpr (kWarpOwn) {
+    // ---- the warp-own form's tile loop (the shared loop below is then skipped) ----
+    // Per tile t, warp w (slice w, the CTA's 16 rows):
+    //   wait for its own copies of tile t (cp.async.wait_group 1 + __syncwarp; tile 0: a
+    //   CTA barrier, since Q was copied by everyone);
+    //   S partial: its 9 k-steps (8 w .. 8 w + 7, 32 + w) for all 32 keys, Q in registers;
+    //   store the partial [16][32] fp32 tile; CTA barrier (the one per tile);
+    //   add the 4 partial tiles in warp order: every warp holds the bitwise same S of all
+    //   32 keys, so the same maxima, P and row sums, with no maxima exchange;
+    //   softmax on 32 keys; P V on its 128 columns with P straight from the S registers;
+    //   refill the stage with tile t + 2 (its own columns only).
+    // The partial tiles go to the Q buffer (free once Q is in registers), two of them
+    // alternating by tile: with no barrier at the top of a tile, a warp may write tile
+    // t + 1's partials while a slower one still reads tile t's; it cannot get two tiles
+    // ahead, since tile t + 1's barrier waits for every warp.
+    // Shared memory: the 2-stage plan unchanged (94,016 B): Q 18,432 holds 2 x 8,192 of
+    // partial S; P, the key flags and the maxima are unused.
+    // Registers per thread: 64 accumulators + 36 Q fragment + 16 S + 16 partial S + 8
+    // fragment + addressing: ptxas 205 (sm_90a) / 202 (sm_80), no spills; two CTAs of 128
+    // threads allow 255.
+    static_assert(2 * 4 * 4 * 32 * int(sizeof(float4)) <= 16 * kRowBytes,
+                  "two partial-S buffers fit in the Q buffer");
+    uint32_t qf[kDepthSteps][4];
+    // Per-thread ldmatrix offsets (relative to the stage), every row of a thread with
+    // r % 8 = lane % 8: chunk c of a row sits at 128 (c / 8) + 16 ((c % 8) ^ (r % 8)).
+    // S: chunk 16 w + 2 i + hb (k-step 8 w + i, i < 8; hb = lane / 8 % 2 picks the half)
+    // of key row lane % 8 + 8 (lane / 16) at s_off[i % 4] + 128 (i / 4); the RoPE k-step's
+    // chunk 64 + 2 w + hb at s_rope. P V: chunk 16 w + 2 np + lane / 16 of key row
+    // lane % 8 + 8 (lane / 8 % 2) (+ 16 per k-step) at v_off[np % 4] + 128 (np / 4).
+    const int r7 = lane & 7, hb = (lane >> 3) & 1;
+    uint32_t s_off[4], v_off[4];
+    const uint32_t s_row = (r7 + ((lane >> 4) << 3)) * kRowBytes + 256 * slice;
+    const uint32_t v_row = (r7 + hb * 8) * kRowBytes + 256 * slice;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      s_off[m] = s_row + (((2 * m + hb) ^ r7) << 4);
+      v_off[m] = v_row + (((2 * m + (lane >> 4)) ^ r7) << 4);
+    }
+    const uint32_t s_rope =
+        (r7 + ((lane >> 4) << 3)) * kRowBytes + ((64 + ((2 * slice + hb) ^ r7)) << 4);
+    const int tq = lane & 3;
+    const float scale = a.score_scale_log2;
+    for (int t = 0; t < ntiles; ++t) {
+      cp_async_wait<1>();  // all but the newest group (tile t + 1): tile t (and Q) are in
+      if (t == 0) {
+        __syncthreads();  // Q, copied by every thread
+#pragma unroll
+        for (int i = 0; i < kDepthSteps; ++i) {
+          const int ks = i < 8 ? 8 * slice + i : 32 + slice;
+          ldsm_x4(q_base + swz(lane & 15, 2 * ks + (lane >> 4)), qf[i]);
+        }
+        __syncthreads();  // Q is in registers everywhere: its buffer takes the partial S
+      } else {
+        __syncwarp();  // the lanes' copies visible to the whole warp
+      }
+      const int stage = t % STAGES;
+      const uint32_t k_base = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
+
+      // ---- S partial: 4 independent mma chains (n-tiles of 8 keys) of 9 k-steps ----
+      float sp[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) sp[n][0] = sp[n][1] = sp[n][2] = sp[n][3] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kDepthSteps; ++i) {
+        // x4: lanes 0-7 keys 0-7 low half of the k-step, 8-15 keys 0-7 high, 16-23 keys
+        // 8-15 low, 24-31 keys 8-15 high = b0, b1 of n-tiles 0 and 1 (+16 rows: 2 and 3).
+        const uint32_t off = k_base + (i < 8 ? s_off[i & 3] + 128 * (i >> 2) : s_rope);
+        uint32_t b01[4], b23[4];
+        ldsm_x4(off, b01);
+        ldsm_x4(off + 16 * kRowBytes, b23);
+        mma_16816<T>(sp[0], qf[i], b01[0], b01[1]);
+        mma_16816<T>(sp[1], qf[i], b01[2], b01[3]);
+        mma_16816<T>(sp[2], qf[i], b23[0], b23[1]);
+        mma_16816<T>(sp[3], qf[i], b23[2], b23[3]);
+      }
+      // [warp][n-tile][lane] float4: each warp's stores and loads are 512 contiguous bytes.
+      float4* const part = reinterpret_cast<float4*>(q_s) + (t & 1) * (4 * 4 * 32);
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        part[(slice * 4 + n) * 32 + lane] = make_float4(sp[n][0], sp[n][1], sp[n][2], sp[n][3]);
+      __syncthreads();
+      float s[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        float4 v[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          v[w] = w == slice ? make_float4(sp[n][0], sp[n][1], sp[n][2], sp[n][3])
+                            : part[(w * 4 + n) * 32 + lane];
+        s[n][0] = ((v[0].x + v[1].x) + v[2].x) + v[3].x;
+        s[n][1] = ((v[0].y + v[1].y) + v[2].y) + v[3].y;
+        s[n][2] = ((v[0].z + v[1].z) + v[2].z) + v[3].z;
+        s[n][3] = ((v[0].w + v[1].w) + v[2].w) + v[3].w;
+      }
+
+      // ---- online softmax over the 32 keys (n-tile n: keys 8 n + 2 tq + {0, 1}); a
+      // whole tile (every key loaded and visible to every row of the request) skips the
+      // masks ----
+      const uint32_t okmask = stage ? ok_bits1 : ok_bits0;
+      const int tile0 = key0 + t * kKeyTile;
+      const bool whole = okmask == 0xffffffffu &&
+                         (row0 + row_lo >= nrows || tile0 + kKeyTile <= count_lo) &&
+                         (row0 + row_hi >= nrows || tile0 + kKeyTile <= count_hi);
+      float mx_lo = kNegInf, mx_hi = kNegInf;
+      if (__all_sync(0xffffffffu, whole)) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            s[n][i] *= scale;
+            s[n][2 + i] *= scale;
+            mx_lo = fmaxf(mx_lo, s[n][i]);
+            mx_hi = fmaxf(mx_hi, s[n][2 + i]);
+          }
+      } else {
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int key = 8 * n + 2 * tq + i;
+            const bool k_ok = (okmask >> key) & 1u;
+            s[n][i] = k_ok && tile0 + key < count_lo ? s[n][i] * scale : kNegInf;
+            s[n][2 + i] = k_ok && tile0 + key < count_hi ? s[n][2 + i] * scale : kNegInf;
+            mx_lo = fmaxf(mx_lo, s[n][i]);
+            mx_hi = fmaxf(mx_hi, s[n][2 + i]);
+          }
+      }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o));
+      }
+      const float mnew_lo = fmaxf(m_lo, mx_lo), mnew_hi = fmaxf(m_hi, mx_hi);
+      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+      const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+      const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+      const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
+      m_lo = mnew_lo;
+      m_hi = mnew_hi;
+      l_lo *= corr_lo;
+      l_hi *= corr_hi;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        s[n][0] = fast_exp2(s[n][0] - mref_lo);
+        s[n][1] = fast_exp2(s[n][1] - mref_lo);
+        s[n][2] = fast_exp2(s[n][2] - mref_hi);
+        s[n][3] = fast_exp2(s[n][3] - mref_hi);
+        l_lo += s[n][0] + s[n][1];
+        l_hi += s[n][2] + s[n][3];
+      }
+      // Once the running max settles corr is exactly 1: skip the 64 multiplications then
+      // (x * 1 = x, bitwise the same).
+      if (__any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          acc[n][0] *= corr_lo;
+          acc[n][1] *= corr_lo;
+          acc[n][2] *= corr_hi;
+          acc[n][3] *= corr_hi;
+        }
+      }
+
+      // ---- O[:, 128 w .. +128] += P V: the S accumulators of n-tiles 2 k and 2 k + 1 are
+      // the A fragment of k-step k (keys 16 k .. 16 k + 15), rounded to T as the shared P
+      // tile of the other forms is (the row sums l keep the fp32 p) ----
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const uint32_t pf[4] = {
+            pack2<T>(s[2 * k][0], s[2 * k][1]), pack2<T>(s[2 * k][2], s[2 * k][3]),
+            pack2<T>(s[2 * k + 1][0], s[2 * k + 1][1]), pack2<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+          uint32_t b[4];
+          ldsm_x4_trans(k_base + v_off[np & 3] + 16 * k * kRowBytes + 128 * (np >> 2), b);
+          mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
+        }
+      }
+      // ---- refill this stage with tile t + 2, my columns only; __syncwarp orders the
+      // warp's ldmatrix reads of the stage before its lanes' copies ----
+      if (t + STAGES < ntiles) {
+        __syncwarp();
+        const int b = next_block;
+        next_block = fetch_block(t + STAGES + 1);
+        issue_own(t + STAGES, b);
+      }
+      cp_async_commit();  // group of tile t + 2 (maybe empty)
+    }
+  }
+
+  // (!kWarpOwn: the warp-own form ran its own loop above.)
+  for (int t = 0; !kWarpOwn && t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
     if constexpr (kRing) {
       // Halves 2t + 3 and 2t + 4 into the slots of tile t - 1's halves, one group each;
@@ -1510,15 +1771,17 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o);
   }
+  // (The warp-own form's sums already cover all 32 keys of every tile in every warp. Its
+  // barrier stays: it keeps the next piece's Q copy behind every warp's partial-S reads.)
   float* my_sum = red_sum + (group * 4) * 16;
-  if ((lane & 3) == 0) {
+  if (!kWarpOwn && (lane & 3) == 0) {
     my_sum[slice * 16 + (lane >> 2)] = l_lo;
     my_sum[slice * 16 + (lane >> 2) + 8] = l_hi;
   }
   __syncthreads();
-  float sum_lo = 0.0f, sum_hi = 0.0f;
+  float sum_lo = kWarpOwn ? l_lo : 0.0f, sum_hi = kWarpOwn ? l_hi : 0.0f;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < (kWarpOwn ? 0 : 4); ++c) {
     sum_lo += my_sum[c * 16 + (lane >> 2)];
     sum_hi += my_sum[c * 16 + (lane >> 2) + 8];
   }
@@ -1553,14 +1816,15 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 }
 
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic, bool kRing = false>
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic, bool kRing = false,
+          bool kWarpOwn = false>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1
                                                    : kFp8 & kFp8ThreeCtas         ? 3
                                                                                   : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kRing>(a, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kRing, kWarpOwn>(a, w);
     });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
@@ -2048,6 +2312,18 @@ void launch_splitkv_ring(const DecodeArgs& args, dim3 grid, cudaStream_t stream)
   KMLA_LAUNCH_CHECK();
 }
 
+// The 16-row bf16-cache kernel's warp-own form (DecodePlan::row16_warp_own): the 2-stage
+// plan's shared memory and grid; compiled for bf16 only, like the ring.
+template <class T>
+void launch_splitkv_warp_own(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
+  auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, false, true>;
+  const int smem_bytes = smem_plan(16, 0, kStages).total;
+  KMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<grid, 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
+}
+
 // Whether the ring's CTA fits this device as often per SM as the 2-stage one (so the split
 // counts, sized for the 2-stage CTA, stay right): H200 two of each.
 bool ring_fits(int smem_per_sm, int smem_per_block) {
@@ -2066,6 +2342,17 @@ bool choose_ring(const DecodePlan& plan, int num_requests, int64_t max_seq_len, 
   if (plan.rows_per_cta != 16 || plan.deep_pipeline || !ring_fits(smem_per_sm, smem_per_block))
     return false;
   return env >= 0 ? env == 1 : decode_ring_pays(plan, num_requests, max_seq_len, format);
+}
+
+// DecodePlan::row16_warp_own for a finished plan: KMLA_DECODE_ROW16=31 (the form's number
+// on branch rowilp) turns it on for plans over a bf16 cache that are not portable, unset or
+// 0 leaves it off. Only the 2-stage 16-row kernel reads it (like the ring), so a plan whose
+// row tile a caller changes to 16 later keeps it. An A/B switch until the H200 says whether
+// it pays; it changes the bits (S is added in another order), not the tolerance.
+bool choose_row16_warp_own(const DecodePlan& plan, CacheFormat format) {
+  const int env = env_int("KMLA_DECODE_ROW16", 0);
+  KMLA_CHECK(env == 0 || env == 31, "decode: KMLA_DECODE_ROW16 must be 0 or 31, got ", env);
+  return env == 31 && !plan.portable && format == CacheFormat::bf16;
 }
 
 }  // namespace
@@ -2100,6 +2387,8 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     KMLA_CUDA_CHECK(
         cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
+    plan.row16_warp_own = choose_row16_warp_own(plan, format);
+    if (plan.row16_warp_own) plan.ring = false;
     plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
     return plan;
   }
@@ -2184,6 +2473,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
+  // The warp-own form is a form of the 2-stage kernel: where it is asked for, the ring is off.
+  plan.row16_warp_own = choose_row16_warp_own(plan, format);
+  if (plan.row16_warp_own) plan.ring = false;
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
 }
@@ -2328,6 +2620,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
     } else if (deep) {
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
+    } else if (rows == 16 && !convert && plan.row16_warp_own && std::is_same_v<T, bf16>) {
+      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_warp_own<T>(a, grid, stream);
     } else if (rows == 16 && !convert && plan.ring && std::is_same_v<T, bf16>) {
       if constexpr (std::is_same_v<T, bf16>) launch_splitkv_ring<T>(a, grid, stream);
     } else if (rows == 16) {

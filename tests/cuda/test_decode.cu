@@ -1293,6 +1293,152 @@ TEST(DecodeRing, RuleOnTheHost) {
   EXPECT_FALSE(decode_ring_pays(other, 128, 4096, bf));
 }
 
+// ---- the 16-row bf16 kernel's warp-own form (DecodePlan::row16_warp_own) -----------------
+// Each warp copies the key columns it reads and waits for its own copies; S is split by
+// depth and its four partials are added in warp order, so the bits differ from the default
+// form's and the oracle's tolerance is what holds it (the harness compares every row). The
+// hook runs the default 2-stage kernel first (the same plan with the field off) and then the
+// plan itself, which the harness checks and repeats (same bits twice: no copy read before
+// it landed, no partial-S buffer reused too early). Across a test some bits must differ:
+// if none did, the form was never launched (another kernel ran under the flag).
+CaseHooks warp_own_hooks(const std::string& label, size_t* differ) {
+  CaseHooks h;
+  h.label = label;
+  h.check_plan = [](const DecodeParams&, const DecodePlan& plan) {
+    EXPECT_EQ(plan.rows_per_cta, 16);
+    EXPECT_FALSE(plan.deep_pipeline);
+    EXPECT_TRUE(plan.row16_warp_own);
+    EXPECT_FALSE(plan.ring);
+  };
+  h.run = [differ](const DecodeParams& p, const DecodePlan& plan, void* workspace) {
+    const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
+    std::vector<uint16_t> out_def(rows * kKvLoraRank), out(rows * kKvLoraRank);
+    std::vector<float> lse_def(rows), lse(rows);
+    for (bool own : {false, true}) {
+      DecodePlan q = plan;
+      q.row16_warp_own = own;
+      ASSERT_EQ(cudaMemset(p.out, 0xFF, out.size() * 2), cudaSuccess);
+      ASSERT_EQ(cudaMemset(p.lse, 0xFF, lse.size() * 4), cudaSuccess);
+      decode_attention(p, q, workspace, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint16_t>& o = own ? out : out_def;
+      std::vector<float>& l = own ? lse : lse_def;
+      ASSERT_EQ(cudaMemcpy(o.data(), p.out, o.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(l.data(), p.lse, l.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    for (size_t i = 0; i < out.size(); ++i) *differ += out[i] != out_def[i];
+    for (size_t i = 0; i < lse.size(); ++i) *differ += std::memcmp(&lse[i], &lse_def[i], 4) != 0;
+  };
+  return h;
+}
+
+// Lengths just off the 32-key tile, 64 keys and the block ends (block sizes 16 / 64 / 256),
+// 1 to 8 tiles (both stages and their refills) and long ones; 12 and 16 heads with one or
+// two tokens (24 / 32 rows in 16-row tiles: a second tile that starts at row 16, partly
+// past the request) and 5 heads with up to 3 causal tokens; a padded slot. Plans: the
+// balanced schedule as planned, one CTA running every piece in turn, 300 workers with every
+// pair cut (pieces back to back in one CTA: the next piece's Q over the last partial S),
+// and the per-request grid with 1 split (direct output) and 3.
+TEST(CudaDecodeWarpOwn, Shapes) {
+  KMLA_REQUIRE_GPU();
+  ScopedEnv env("KMLA_DECODE_ROW16", "31");
+  size_t differ = 0;
+  uint64_t seed = 800;
+  for (int bs : {16, 64, 256}) {
+    for (int heads : {12, 16, 5}) {
+      DecodeCase c;
+      c.heads = heads;
+      c.block_size = bs;
+      c.seq_lens = {15, 16,  17,  31,  32,  33,  47,  49,  63,  64,  65, 0,    95,
+                    97, 127, 129, 159, 161, 191, 193, 225, 255, 257, 1,  1000, 5000};
+      c.query_lens.assign(c.seq_lens.size(), 1);
+      c.query_lens[11] = 0;  // a padded slot
+      for (size_t i = 0; i < c.query_lens.size(); ++i)
+        if (c.query_lens[i] && c.seq_lens[i] >= 3)
+          c.query_lens[i] = heads == 5 ? 1 + int(i % 3) : 1 + int(i % 2);
+      c.seed = seed++;
+      SCOPED_TRACE(::testing::Message() << "block size " << bs << ", heads " << heads);
+      run_case(c, {{0, 16}, {0, 16, false, 1}, {0, 16, false, 300, 0, 0, 0}, {1, 16}, {3, 16}},
+               warp_own_hooks("warp-own form", &differ));
+    }
+  }
+  EXPECT_GT(differ, 0u) << "the warp-own form gave the default form's bits everywhere";
+}
+
+// A block id outside the cache (flagged by the lookup, its keys masked through the warps'
+// own key flags), and one long request over hundreds of splits and over a few.
+TEST(CudaDecodeWarpOwn, BadBlockAndLongRequest) {
+  KMLA_REQUIRE_GPU();
+  ScopedEnv env("KMLA_DECODE_ROW16", "31");
+  size_t differ = 0;
+  DecodeCase c;
+  c.heads = 16;
+  c.block_size = 16;
+  c.seq_lens = {100, 40, 0, 16, 177};
+  c.query_lens = {1, 2, 0, 1, 2};
+  c.bad_block_request = 0;  // keys [96, 100) become invisible
+  c.seed = 820;
+  run_case(c, {{0, 16}, {1, 16}, {4, 16}, {0, 16, false, 200, 0, 0, 0}},
+           warp_own_hooks("bad block", &differ));
+  DecodeCase l;
+  l.heads = 12;
+  l.block_size = 64;
+  l.seq_lens = {100001};
+  l.query_lens = {1};
+  l.seed = 821;
+  run_case(l, {{0, 16}, {1024, 16}, {7, 16}}, warp_own_hooks("one long request", &differ));
+  EXPECT_GT(differ, 0u) << "the warp-own form gave the default form's bits everywhere";
+}
+
+// plan_decode takes KMLA_DECODE_ROW16=31 for non-portable bf16 plans (and then never the
+// ring), keeps the 2-stage grid and workspace, leaves every other cache and the portable path
+// alone, is off when unset or 0, and rejects any other value (rowilp's forms 5 / 7 / 15
+// were not ported).
+TEST(CudaDecodeWarpOwn, PlanTakesTheSwitch) {
+  KMLA_REQUIRE_GPU();
+  const CacheFormat bf = CacheFormat::bf16;
+  for (const char* off : {static_cast<const char*>(nullptr), "0"}) {
+    ScopedEnv env("KMLA_DECODE_ROW16", off);
+    EXPECT_FALSE(plan_decode(128, 12, 1, 8192, false, false, bf).row16_warp_own);
+    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, bf).row16_warp_own);
+  }
+  ScopedEnv ring("KMLA_DECODE_RING", "1");  // asked for, and still off under the switch
+  ScopedEnv plain("KMLA_DECODE_ROW16", nullptr);
+  const DecodePlan base = plan_decode(1, 12, 1, 65536, false, false, bf);
+  const DecodePlan base_bal = plan_decode(128, 12, 1, 8192, false, false, bf);
+  ScopedEnv on("KMLA_DECODE_ROW16", "31");
+  struct Shape {
+    int requests, heads, qlen;
+    int64_t seq;
+    bool invariant;
+  };
+  for (const Shape& s : {Shape{128, 12, 1, 8192, false}, Shape{1, 12, 1, 65536, false},
+                         Shape{128, 16, 1, 4096, false}, Shape{1, 12, 1, int64_t(1) << 20, false},
+                         Shape{4, 5, 3, 1000, false}, Shape{3, 12, 1, 100000, true}}) {
+    const DecodePlan p = plan_decode(s.requests, s.heads, s.qlen, s.seq, false, s.invariant, bf);
+    SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads x " << s.qlen
+                                      << " x " << s.seq << " keys");
+    EXPECT_TRUE(p.row16_warp_own);
+    EXPECT_FALSE(p.ring);
+  }
+  const DecodePlan q = plan_decode(1, 12, 1, 65536, false, false, bf);
+  EXPECT_EQ(q.schedule, base.schedule);
+  EXPECT_EQ(q.num_splits, base.num_splits);
+  EXPECT_EQ(q.workspace_bytes, base.workspace_bytes);
+  const DecodePlan q_bal = plan_decode(128, 12, 1, 8192, false, false, bf);
+  EXPECT_EQ(q_bal.schedule, base_bal.schedule);
+  EXPECT_EQ(q_bal.num_workers, base_bal.num_workers);
+  EXPECT_EQ(q_bal.workspace_bytes, base_bal.workspace_bytes);
+  for (CacheFormat f : {CacheFormat::fp16, CacheFormat::fp8, CacheFormat::fp8_ds_mla})
+    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, f).row16_warp_own)
+        << cache_format_name(f);
+  EXPECT_FALSE(plan_decode(1, 12, 1, 65536, true, false, bf).row16_warp_own);  // portable
+  for (const char* bad : {"5", "7", "15", "1", "-1"}) {
+    ScopedEnv env("KMLA_DECODE_ROW16", bad);
+    EXPECT_THROW(plan_decode(128, 16, 1, 4096, false), Error) << bad;
+  }
+}
+
 // ---- the combine's two forms -------------------------------------------------------------
 // One 64K-key request: hundreds of per-request splits go to the CTA-per-(row, chunk) form
 // (decode_combine_rows_kernel), in every chunk count it may use and with the most splits
