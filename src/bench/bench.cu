@@ -149,15 +149,44 @@ struct GraphHandle {
   GraphHandle& operator=(const GraphHandle&) = delete;
 };
 
+// Read-only stream: each thread keeps 8 independent 16-byte loads in flight (grid-stride,
+// read-only path), folds them into one word and stores it only if it equals a value the fill
+// never produces, so the loads cannot be dropped and nothing is written. In a standalone probe
+// on two H200s this form read 4.48-4.60 TB/s, as fast as bulk (TMA) copies into shared memory
+// (4.55-4.65); streaming loads (ld.global.cs) reached 4.45 and the L2 256-byte hint 4.26.
+__global__ void read_stream_kernel(const uint4* __restrict__ src, size_t n, uint4* sink) {
+  constexpr int kUnroll = 8;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  uint32_t acc = 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += kUnroll * stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = i + u * stride < n ? __ldg(src + i + u * stride) : uint4{};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x5a5a5a5au) sink[0] = uint4{acc, acc, acc, acc};
+}
+
 // Times `body` (work enqueued on the stream) with CUDA events. Each timed run is preceded by
-// a memset of a buffer twice the L2 size, so no run finds the previous one's data in L2; the
-// flush is stream-ordered before the start event and so not timed.
+// an L2 flush through a buffer twice the L2 size, so no run finds the previous one's data in
+// L2; the flush is stream-ordered before the start event and so not timed. By default the
+// flush reads the buffer, which leaves L2 full of clean lines, as a serving step's weight
+// reads do. The other form (write_flush) memsets it, which leaves a whole L2 of dirty lines
+// that the timed kernel then writes back to DRAM while it reads: on the H200 that cost the
+// memory-bound decode shapes 6-12 us each ((1, 12, 64k) 38.2 against 31.4 us, (128, 12, 8k)
+// 322 against 310), an artefact of the flush that no serving step has.
 class Timer {
  public:
-  Timer(cudaStream_t stream, size_t l2_bytes)
-      : stream_(stream), flush_(device_alloc(std::max<size_t>(2 * l2_bytes, size_t(64) << 20))) {
+  Timer(cudaStream_t stream, size_t l2_bytes, int sms, bool write_flush)
+      : stream_(stream),
+        flush_(device_alloc(std::max<size_t>(2 * l2_bytes, size_t(64) << 20))),
+        sms_(sms),
+        write_flush_(write_flush) {
     KMLA_CUDA_CHECK(cudaEventCreate(&start_));
     KMLA_CUDA_CHECK(cudaEventCreate(&stop_));
+    // Words of 0x01010101: their xor is never read_stream_kernel's sink value.
+    KMLA_CUDA_CHECK(cudaMemsetAsync(flush_.data(), 1, flush_.bytes(), stream_));
   }
   ~Timer() {
     cudaEventDestroy(start_);
@@ -176,7 +205,14 @@ class Timer {
     for (int i = 0; i < warmup; ++i) body();
     std::vector<double> us;
     for (int i = 0; i < std::max(iters, 1); ++i) {
-      KMLA_CUDA_CHECK(cudaMemsetAsync(flush_.data(), i & 1, flush_.bytes(), stream_));
+      if (write_flush_) {
+        KMLA_CUDA_CHECK(cudaMemsetAsync(flush_.data(), 1, flush_.bytes(), stream_));
+      } else {
+        read_stream_kernel<<<8 * sms_, 256, 0, stream_>>>(
+            static_cast<const uint4*>(flush_.data()), flush_.bytes() / sizeof(uint4),
+            static_cast<uint4*>(flush_.data()));
+        KMLA_CUDA_CHECK(cudaGetLastError());
+      }
       KMLA_CUDA_CHECK(cudaEventRecord(start_, stream_));
       body();
       KMLA_CUDA_CHECK(cudaEventRecord(stop_, stream_));
@@ -194,6 +230,8 @@ class Timer {
   static constexpr int kSettleMs = 100;
   cudaStream_t stream_;
   DeviceBuffer flush_;
+  int sms_;
+  bool write_flush_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
@@ -210,25 +248,6 @@ double measure_copy_gb_s(Timer& timer, cudaStream_t s) {
       },
       2, 10);
   return 2.0 * double(bytes) / (us * 1e-6) / 1e9;
-}
-
-// Read-only stream: each thread keeps 8 independent 16-byte loads in flight (grid-stride,
-// read-only path), folds them into one word and stores it only if it equals a value the fill
-// never produces, so the loads cannot be dropped and nothing is written. In a standalone probe
-// on two H200s this form read 4.48-4.60 TB/s, as fast as bulk (TMA) copies into shared memory
-// (4.55-4.65); streaming loads (ld.global.cs) reached 4.45 and the L2 256-byte hint 4.26.
-__global__ void read_stream_kernel(const uint4* __restrict__ src, size_t n, uint4* sink) {
-  constexpr int kUnroll = 8;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  uint32_t acc = 0;
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = i + u * stride < n ? __ldg(src + i + u * stride) : uint4{};
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  if (acc == 0x5a5a5a5au) sink[0] = uint4{acc, acc, acc, acc};
 }
 
 // Read-only bandwidth in GB/s: 4 GiB read once per run (no writes), median of 10. The ceiling
@@ -803,7 +822,7 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   KMLA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 
   StreamHandle stream, aux;
-  Timer timer(stream.s, size_t(prop.l2CacheSize));
+  Timer timer(stream.s, size_t(prop.l2CacheSize), prop.multiProcessorCount, o.write_flush);
   const double copy_gb_s = measure_copy_gb_s(timer, stream.s);
   const double read_gb_s = measure_read_gb_s(timer, prop.multiProcessorCount, stream.s);
   Context ctx{stream.s, aux.s, timer, o.warmup, o.iters, o.portable, o.sequential_blocks, copy_gb_s};
@@ -815,9 +834,9 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     char head[512];
     std::snprintf(head, sizeof head,
                   "kmla bench: %s, %d SMs, %s; copy bandwidth %.1f GB/s (2 GiB D2D, read+write, "
-                  "median of 10), read-only %.1f GB/s (%.3f of copy); median of %d runs, L2 flushed%s%s\n",
+                  "median of 10), read-only %.1f GB/s (%.3f of copy); median of %d runs, L2 flushed by %s%s%s\n",
                   prop.name, prop.multiProcessorCount, date.c_str(), copy_gb_s, read_gb_s,
-                  read_gb_s / copy_gb_s, o.iters,
+                  read_gb_s / copy_gb_s, o.iters, o.write_flush ? "writing" : "reading",
                   o.portable ? "; portable kernels" : "", o.sequential_blocks ? "; sequential blocks" : "");
     out << head;
     std::snprintf(head, sizeof head, "%-56s %10s %7s %8s  %6s  %s\n", "case", "us", "TB/s",
@@ -850,6 +869,7 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     doc["warmup"] = o.warmup;
     doc["portable"] = o.portable;
     doc["sequential_blocks"] = o.sequential_blocks;
+    doc["l2_flush"] = o.write_flush ? "write" : "read";
     doc["cases"] = std::move(results);
     out << doc.dump(2) << "\n";
   }

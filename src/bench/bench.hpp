@@ -34,6 +34,7 @@ struct BenchOptions {
   std::string model = "kimi-k3";      // preset of the layer kinds
   bool portable = false;              // force the sm_80 kernels
   bool sequential_blocks = false;     // cache blocks in order instead of a random permutation
+  bool write_flush = false;           // flush L2 before each run by a memset, not by reading
   // Tensor parallelism (kmla bench --tp N): tp > 0 replaces the standard list by the K3 layer
   // cases at world tp, run as rank tp_rank; with all_reduce (an NCCL communicator's) each
   // layer ends in it inside the timed (graphed) step, otherwise it returns the partial sum.

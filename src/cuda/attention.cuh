@@ -73,20 +73,13 @@ struct DecodePlan {
   // fp8_ds_mla where it fits (KMLA_FP8_CTAS=2 keeps 2) and 2 otherwise, and sizes the
   // splits / workers for that many CTA slots per SM.
   int fp8_ctas_per_sm = 2;
-  // The 16-row kernel over a bf16 cache (other kernels ignore it) with the half-tile ring:
-  // five 16-key slots instead of two 32-key stages, 1.5 tiles in flight per CTA instead of 1,
-  // still two CTAs per SM (decode_attention.cu, smem_plan_ring). Changes the speed, never the
-  // arithmetic. plan_decode sets it where decode_ring_pays (below) and the CTA fits as often
-  // per SM as the 2-stage one; KMLA_DECODE_RING=0|1 forces it off / on. Callers may set it
-  // for 16-row plans on a GPU that fits it.
-  bool ring = false;
-  // The 16-row kernel over a bf16 cache (other kernels ignore it) in its warp-own form: each
-  // warp copies the key columns it reads and waits for its own copies only, with one CTA
+  // The 16-row kernel over a 16-bit cache (other kernels ignore it) in its warp-own form:
+  // each warp copies the key columns it reads and waits for its own copies only, with one CTA
   // barrier per 32-key tile (decode_attention.cu, splitkv_piece's kWarpOwn). The same shared
-  // memory and grid as the 2-stage kernel; S is added in another order, so the last bits
-  // differ (within the oracle's tolerance). Off unless KMLA_DECODE_ROW16=31 (an A/B switch,
-  // unmeasured; on for every non-portable bf16 plan then, read only where the 2-stage
-  // 16-row kernel runs); wins over `ring` when both are set.
+  // memory and grid as the shared-loader 2-stage form; S is added in another order, so the
+  // last bits differ (within the oracle's tolerance). plan_decode sets it for every
+  // non-portable plan over a bf16 / fp16 cache (KMLA_DECODE_WARP_OWN=0 keeps the shared
+  // loader, for A/B runs); it is read only where the 2-stage 16-row kernel runs.
   bool row16_warp_own = false;
   // Batch-invariant mode: a request's split boundaries, row tiling and combine order depend
   // only on its own length, query length and the head count, so its output and LSE are
@@ -106,29 +99,12 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
-// KMLA_DECODE_RING=0|1 (all plans: speed only), KMLA_DECODE_ROW16=0|31 (the 16-row bf16
-// kernel's warp-own form, DecodePlan::row16_warp_own). `format` is the cache format the plan will
-// run on; fp8_ds_mla's CTAs per SM and the bf16 ring depend on it.
+// KMLA_DECODE_WARP_OWN=0|1 (all plans: the 16-row 16-bit kernel's form,
+// DecodePlan::row16_warp_own). `format` is the cache format the plan will run on;
+// fp8_ds_mla's CTAs per SM and the warp-own form depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,
                        CacheFormat format = CacheFormat::bf16);
-
-// Keys one CTA of `plan` streams, as plan_decode estimates them from the shape: per-request
-// plans the keys of one split of the longest request (whole 32-key tiles), balanced plans
-// the batch's keys at the longest length shared by the workers, batch-invariant plans their
-// fixed split size (so the batch never picks their kernel).
-int64_t decode_keys_per_cta(const DecodePlan& plan, int num_requests, int64_t max_seq_len);
-
-// The ring pays for short pieces and costs ~1.5 % on long steady streams. Measured on H200
-// (2026-12-03, us, 2-stage -> ring): (1, 12, 64k) 256 keys per CTA 43.1 -> 40.1; (128, 16,
-// 4k) balanced, 1,986 keys per CTA 194.1 -> 188.9; (128, 12, 8k) 3,972 keys 333.6 -> 338.6;
-// (32, 12, 32k) 3,972 keys 335.5 -> 339.7; (1, 12, 1M) 4,000 keys 330.0 -> 334.3.
-inline constexpr int64_t kDecodeRingMaxKeysPerCta = 2048;
-
-// The measured rule for DecodePlan::ring (the device fit aside): a bf16 cache, 16-row tiles,
-// no deep pipeline, not portable, and at most kDecodeRingMaxKeysPerCta keys per CTA.
-bool decode_ring_pays(const DecodePlan& plan, int num_requests, int64_t max_seq_len,
-                      CacheFormat format);
 
 // Workspace bytes `plan` needs for `num_requests` requests of `heads` heads (what
 // plan_decode stores in plan.workspace_bytes; for callers that edit a plan).

@@ -6,11 +6,10 @@
 // code runs on sm_80 and sm_90a: mma.sync, ldmatrix and cp.async exist on both. On GPUs
 // with ~210 KB of shared memory per block (Hopper) the 16-row tiles can run a deep pipeline
 // (5 or 7 stages, one CTA per SM; DecodePlan::deep_pipeline, off by default: measured
-// slower) that does not fit sm_80's 163 KB; 16-row tiles over a bf16 cache with few keys
-// per CTA keep their keys in a ring of five 16-key slots instead (DecodePlan::ring, two CTAs
-// per SM still); an A/B form of the 16-row bf16 kernel has each warp copy and wait for
-// only the key columns it reads (DecodePlan::row16_warp_own, KMLA_DECODE_ROW16=31, not yet
-// timed). docs/decode_sm90.md describes the pipeline, budgets and split policies.
+// slower) that does not fit sm_80's 163 KB. Over a 16-bit cache the 16-row kernel runs in
+// its warp-own form by default: each warp copies and waits for only the key columns it reads
+// (DecodePlan::row16_warp_own). docs/decode_sm90.md describes the pipeline, budgets and split
+// policies.
 //
 // Numerics (docs/SEMANTICS.md, rule 6): q and the cache rows are converted to the
 // activation type T exactly (16-bit cache of type T as is; e4m3 codes are exact in bf16 and
@@ -157,55 +156,6 @@ __host__ __device__ constexpr SmemPlan smem_plan(int rows, int raw_entry_bytes, 
   return s;
 }
 
-// ---- the half-tile ring (16-row kernel, bf16 cache; DecodePlan::ring) -----------------
-// The 2-stage kernel holds one 32-key tile in flight while it computes the other: 36,864 B
-// per CTA, ~74 KB per SM at two CTAs. A third 32-key stage does not fit next to Q at two
-// CTAs per SM: the budget is 233,472 / 2 - 1,024 reserved = 115,712 B per CTA, and Q +
-// 3 stages is 18,432 + 110,592 = 129,024 B. Five 16-key slots do:
-//   Q 18,432 + 5 x 18,432 = 92,160 + P 1,280 + flags 80 + reductions 512 = 112,464 B
-//   (2 x (112,464 + 1,024) = 226,976 <= 233,472: two CTAs per SM still fit).
-// Compute stays on 32-key tiles; tile t is half-tiles 2t (keys 0-15) and 2t + 1 (keys
-// 16-31) in slots (2t) % 5 and (2t + 1) % 5. While tile t is computed, halves 2t + 2, 2t + 3
-// and 2t + 4 are in flight or landed: 1.5 tiles, 55,296 B per CTA. A sixth slot (3 full
-// tiles) would need Q out of shared memory: Q in registers needs the depth-split S and its
-// 8-10 KB partial-S buffer (6 x 18,432 + 8,192 + ... > 115,712), so it does not fit either.
-// Its loader gives each key 8 threads (9 chunks each), so one warp's cp.async covers 4
-// aligned 128-byte lines; the 2-stage loader's 4 threads per key give 8 half lines.
-// Where this helps and where it does not: a slot comes free only when its whole tile is
-// consumed (the barrier at the top of the tile loop), so the second half of tile t + 1 is
-// issued one tile period before it is needed, as in the 2-stage kernel; what gains are the
-// first halves, issued two periods ahead, and a piece's start (1.5 tiles issued before the
-// first wait instead of 1). Measured on H200: short pieces gain ((1, 12, 64k), 8 tiles per
-// CTA: 43.1 -> 40.1 us; (128, 16, 4k) 194.1 -> 188.9), long steady streams lose ~1.5 %
-// ((128, 12, 8k) 333.6 -> 338.6): plan_decode picks it by keys per CTA
-// (kDecodeRingMaxKeysPerCta).
-constexpr int kHalfKeys = 16;                      // keys per ring slot
-constexpr int kRingSlots = 5;                      // slots in the ring
-constexpr int kSlotBytes = kHalfKeys * kRowBytes;  // 18,432 B
-
-__host__ __device__ constexpr SmemPlan smem_plan_ring() {
-  SmemPlan s;
-  int off = 0;
-  s.q = off;
-  off += 16 * kRowBytes;  // Q [16][576] T, swizzled
-  s.tiles = off;
-  off += kRingSlots * kSlotBytes;  // slots [5][16][576] T, rows swizzled as in a tile
-  s.p = off;
-  off += 16 * kPStride * 2;  // P [16][32 (+8 pad)] T
-  s.key_ok = off;
-  off += kRingSlots * kHalfKeys;  // per slot and key: loaded (inside the split, good block)
-  s.red_max = off;
-  off += 16 * 4 * 4;
-  s.red_sum = off;
-  off += 16 * 4 * 4;
-  off = (off + 15) / 16 * 16;
-  s.s_part = off;
-  s.total = off;
-  return s;
-}
-static_assert(smem_plan_ring().total == 112464, "the ring's budget in the comment above");
-static_assert(2 * (smem_plan_ring().total + 1024) <= 233472, "two ring CTAs per H200 SM");
-
 // ---- small device helpers -----------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
@@ -220,7 +170,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 // around the chunk from DRAM, not only the sectors asked for. The 16-bit key loaders below use
 // it; on the H200 it made the 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and
 // block size (e.g. (128, 12, 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was
-// the busiest unit (91.5 %) with DRAM at 78 %; the ring's shapes did not move.
+// the busiest unit (91.5 %) with DRAM at 78 %.
 __device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
@@ -1032,9 +982,6 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 //   sync; issue cp.async of tile t + STAGES - 1 (block id prefetched one issue earlier);
 //   wait tile t; sync; [convert raw -> T; sync]; S; partial maxima; sync; p, rescale,
 //   P -> smem; sync; PV.
-// kRing (DecodePlan::ring: 16 rows, bf16 cache, short pieces) replaces the two stages by the
-// half-tile ring (smem_plan_ring): halves 2t + 3 and 2t + 4 are issued, one group each, and
-// the wait leaves 3 groups in flight; the tile's compute is the same.
 // STAGES = 2 with two CTAs per SM (the default), or the deep pipeline (kDeepStages*, one
 // CTA per SM, 4-6 tiles in flight). Measured on H200: the deep form is slower (0.65 of copy
 // bandwidth against 0.74-0.90), so a tile's compute in one CTA (~1.7 us, over the 1.2 us a
@@ -1048,16 +995,12 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
 // kFp8 (Fp8Kernel, bf16 activations only when nonzero): which fp8 fragment path the 16-row
 // 2-stage kernel compiles (see decode_fp8_tiles and fp8_kernel_variant); with kFp8ThreeCtas
 // the launch bounds ask for three CTAs per SM (168 registers).
-// kRing (16 rows, 16-bit cache, 2 stages only): the half-tile ring (smem_plan_ring) instead
-// of two 32-key stages; the arithmetic is the same.
-// kWarpOwn (DecodePlan::row16_warp_own: 16 rows, 16-bit cache, 2 stages, no ring): every
+// kWarpOwn (DecodePlan::row16_warp_own: 16 rows, 16-bit cache, 2 stages): every
 // warp copies exactly the key columns it reads and waits only for its own copies; S is
 // split by depth, so the sums come in another order (see "warp-own form" below).
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, bool kRing = false,
-          bool kWarpOwn = false>
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8, bool kWarpOwn = false>
 __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeWork& work) {
-  static_assert(!kRing || (ROWS == 16 && !kConvert && STAGES == kStages));
-  static_assert(!kWarpOwn || (ROWS == 16 && !kConvert && STAGES == kStages && !kRing));
+  static_assert(!kWarpOwn || (ROWS == 16 && !kConvert && STAGES == kStages));
   constexpr int kWarps = ROWS / 16 * 4;
   constexpr int kThreads = kWarps * 32;
   constexpr int kThreadsPerKey = kThreads / kKeyTile;
@@ -1116,8 +1059,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2, slice = warp & 3;
 
-  const SmemPlan sp =
-      kRing ? smem_plan_ring() : smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
+  const SmemPlan sp = smem_plan(ROWS, kConvert ? a.entry_bytes : 0, STAGES);
   std::byte* const q_s = smem + sp.q;
   std::byte* const tiles_s = smem + sp.tiles;
   std::byte* const raw_s = smem + sp.raw;
@@ -1171,25 +1113,6 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       for (int c = my_part; c < a.entry_bytes / 16; c += kThreadsPerKey)
         cp_async16(dst + c * 16, src + c * 16, ok);
     }
-  };
-
-  // The ring's loader: 8 threads per key of a 16-key half-tile (9 chunks each), half h
-  // into slot `slot`; halves past the last tile are not copied.
-  const int h_key = tid / (kThreads / kHalfKeys), h_part = tid % (kThreads / kHalfKeys);
-  auto fetch_half = [&](int h) -> int {  // block id of my key in half h, read only if used
-    const int pos = key0 + h * kHalfKeys + h_key;
-    return h < 2 * ntiles && pos < key1 ? table[pos / a.block_size] : -1;
-  };
-  auto issue_half = [&](int h, int slot, int block) {
-    if (h >= 2 * ntiles) return;
-    const int pos = key0 + h * kHalfKeys + h_key;
-    bool ok;
-    const std::byte* src = decode_key_src(a, pos, key1, block, a.entry_bytes, h_part == 0, ok);
-    if (h_part == 0) key_ok_s[slot * kHalfKeys + h_key] = ok;
-    const uint32_t dst = smem_addr(tiles_s + slot * kSlotBytes);
-#pragma unroll
-    for (int c = h_part; c < kRowChunks; c += kThreads / kHalfKeys)
-      cp_async16_l2_256(dst + swz(h_key, c), src + c * 16, ok);
   };
 
   // ---- warp-own form (kWarpOwn): who copies what ----
@@ -1252,38 +1175,20 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 
   // Prologue: tiles 0 .. STAGES - 2 in flight, one commit group each (group 0 also holds
   // Q); the block id of the next tile to issue is always fetched one issue ahead. The
-  // ring issues halves 0, 1 and 2 (one group each) and reads the block ids of halves 3
-  // and 4, which the first tile issues.
-  int next_block = 0, next_half0 = 0, next_half1 = 0;
-  if constexpr (kRing) {
-    const int b0 = fetch_half(0), b1 = fetch_half(1), b2 = fetch_half(2);
-    issue_half(0, 0, b0);
-    cp_async_commit();
-    issue_half(1, 1, b1);
-    cp_async_commit();
-    issue_half(2, 2, b2);
-    cp_async_commit();
-    next_half0 = fetch_half(3);
-    next_half1 = fetch_half(4);
-  } else {
-    // (The warp-own form issues both stages here: its refills come after each tile's P V.)
-    next_block = fetch_block(0);
+  // warp-own form issues both stages here: its refills come after each tile's P V.
+  int next_block = fetch_block(0);
 #pragma unroll
-    for (int i = 0; i < (kWarpOwn ? STAGES : STAGES - 1); ++i) {
-      if (i < ntiles) {
-        const int b = next_block;
-        next_block = fetch_block(i + 1);
-        if constexpr (kWarpOwn)
-          issue_own(i, b);
-        else
-          issue(i, b);
-      }
-      cp_async_commit();
+  for (int i = 0; i < (kWarpOwn ? STAGES : STAGES - 1); ++i) {
+    if (i < ntiles) {
+      const int b = next_block;
+      next_block = fetch_block(i + 1);
+      if constexpr (kWarpOwn)
+        issue_own(i, b);
+      else
+        issue(i, b);
     }
+    cp_async_commit();
   }
-  // Ring slot of half 2t (the first half of the tile being computed), advanced by 2 mod 5.
-  int ring0 = 0;
-  auto wrap5 = [](int x) { return x >= kRingSlots ? x - kRingSlots : x; };
 
   // Per-thread state: rows lo = lane / 4 and hi = lo + 8 of the warp's row group.
   const int row_lo = group * 16 + (lane >> 2), row_hi = row_lo + 8;
@@ -1497,33 +1402,16 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   // (!kWarpOwn: the warp-own form ran its own loop above.)
   for (int t = 0; !kWarpOwn && t < ntiles; ++t) {
     __syncthreads();  // tile t-1 fully consumed: its stage, the T tile and P are free
-    if constexpr (kRing) {
-      // Halves 2t + 3 and 2t + 4 into the slots of tile t - 1's halves, one group each;
-      // then all but the newest 3 groups (halves 2t + 2 .. 2t + 4) are in: Q and tile t.
-      issue_half(2 * t + 3, wrap5(ring0 + 3), next_half0);
-      cp_async_commit();
-      issue_half(2 * t + 4, wrap5(ring0 + 4), next_half1);
-      cp_async_commit();
-      next_half0 = fetch_half(2 * t + 5);
-      next_half1 = fetch_half(2 * t + 6);
-    } else {
-      if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
-        const int b = next_block;
-        next_block = fetch_block(t + STAGES);
-        issue(t + STAGES - 1, b);
-      }
-      cp_async_commit();  // group t + STAGES - 1 (maybe empty)
+    if (t + STAGES - 1 < ntiles) {  // into the stage of tile t - 1
+      const int b = next_block;
+      next_block = fetch_block(t + STAGES);
+      issue(t + STAGES - 1, b);
     }
-    if constexpr (kRing)
-      cp_async_wait<3>();
-    else
-      cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
+    cp_async_commit();              // group t + STAGES - 1 (maybe empty)
+    cp_async_wait<STAGES - 1>();  // all but the newest STAGES - 1 groups: Q and tile t
     __syncthreads();
 
     const int stage = t % STAGES;
-    // The ring's two slots of tile t: keys 0-15 and 16-31 (rows 0-15 of each slot).
-    const int slot0 = ring0, slot1 = wrap5(ring0 + 1);
-    if constexpr (kRing) ring0 = wrap5(ring0 + 2);
     if constexpr (kConvert) {
       // Raw fp8 tile -> T tile. Every thread converts groups of 16 codes (one 16-byte
       // shared load, two 16-byte stores); all of a thread's loads are issued before the
@@ -1673,16 +1561,13 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     } else {
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const int qr = group * 16 + (lane & 15);
-      // Ring: slices 0, 1 read the first slot of the tile, 2, 3 the second (rows 0-15).
-      const int kr = kRing ? (slice & 1) * 8 + (lane & 7) : slice * 8 + (lane & 7);
-      const uint32_t ks_base =
-          kRing ? smem_addr(tiles_s + (slice < 2 ? slot0 : slot1) * kSlotBytes) : k_base;
+      const int kr = slice * 8 + (lane & 7);
 #pragma unroll 6
       for (int j = 0; j < kLatentDim / 32; ++j) {  // two k-steps (32 dims) per iteration
         uint32_t a0[4], a1[4], b[4];
         ldsm_x4(q_base + swz(qr, 4 * j + (lane >> 4)), a0);
         ldsm_x4(q_base + swz(qr, 4 * j + 2 + (lane >> 4)), a1);
-        ldsm_x4(ks_base + swz(kr, 4 * j + (lane >> 3)), b);
+        ldsm_x4(k_base + swz(kr, 4 * j + (lane >> 3)), b);
         mma_16816<T>(s0, a0, b[0], b[1]);
         mma_16816<T>(s1, a1, b[2], b[3]);
       }
@@ -1692,8 +1577,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
 
     // ---- online softmax ----
     const int pos = key0 + t * kKeyTile + key_col;
-    const uint8_t* ok = kRing ? key_ok_s + (slice < 2 ? slot0 : slot1) * kHalfKeys + (key_col & 15)
-                              : key_ok_s + stage * kKeyTile + key_col;
+    const uint8_t* ok = key_ok_s + stage * kKeyTile + key_col;
     float x[4];
     x[0] = ok[0] && pos < count_lo ? s[0] * a.score_scale_log2 : kNegInf;
     x[1] = ok[1] && pos + 1 < count_lo ? s[1] * a.score_scale_log2 : kNegInf;
@@ -1750,14 +1634,11 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     for (int ks = 0; ks < kKeyTile / 16; ++ks) {
       uint32_t pf[4];
       ldsm_x4(pa + (2 * ks + (lane >> 4)) * 16, pf);
-      // Ring: k-step ks reads the tile's slot ks, rows 0-15.
-      const int vr = (kRing ? 0 : 16 * ks) + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const uint32_t v_base =
-          kRing ? smem_addr(tiles_s + (ks == 0 ? slot0 : slot1) * kSlotBytes) : k_base;
+      const int vr = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int np = 0; np < 8; ++np) {
         uint32_t b[4];
-        ldsm_x4_trans(v_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
+        ldsm_x4_trans(k_base + swz(vr, 16 * slice + 2 * np + (lane >> 4)), b);
         mma_16816<T>(acc[2 * np], pf, b[0], b[1]);
         mma_16816<T>(acc[2 * np + 1], pf, b[2], b[3]);
       }
@@ -1816,7 +1697,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   }
 }
 
-template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic, bool kRing = false,
+template <class T, int ROWS, bool kConvert, int STAGES, int kFp8 = kFp8Generic,
           bool kWarpOwn = false>
 __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStages ? 1
                                                    : kFp8 & kFp8ThreeCtas         ? 3
@@ -1824,7 +1705,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
     for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kRing, kWarpOwn>(a, w);
+      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kWarpOwn>(a, w);
     });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
@@ -2300,23 +2181,11 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
   KMLA_LAUNCH_CHECK();
 }
 
-// The 16-row bf16-cache kernel with the half-tile ring (DecodePlan::ring); compiled for
-// bf16 only (the Kimi-K3 cache): an f16 cache keeps the 2-stage kernel.
-template <class T>
-void launch_splitkv_ring(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
-  auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, true>;
-  const int smem_bytes = smem_plan_ring().total;
-  KMLA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<grid, 128, smem_bytes, stream>>>(args);
-  KMLA_LAUNCH_CHECK();
-}
-
-// The 16-row bf16-cache kernel's warp-own form (DecodePlan::row16_warp_own): the 2-stage
-// plan's shared memory and grid; compiled for bf16 only, like the ring.
+// The 16-row 16-bit-cache kernel's warp-own form (DecodePlan::row16_warp_own): the 2-stage
+// plan's shared memory and grid.
 template <class T>
 void launch_splitkv_warp_own(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
-  auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, false, true>;
+  auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, true>;
   const int smem_bytes = smem_plan(16, 0, kStages).total;
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
@@ -2324,35 +2193,16 @@ void launch_splitkv_warp_own(const DecodeArgs& args, dim3 grid, cudaStream_t str
   KMLA_LAUNCH_CHECK();
 }
 
-// Whether the ring's CTA fits this device as often per SM as the 2-stage one (so the split
-// counts, sized for the 2-stage CTA, stay right): H200 two of each.
-bool ring_fits(int smem_per_sm, int smem_per_block) {
-  const int ring = smem_plan_ring().total, two = smem_plan(16, 0, kStages).total;
-  return smem_per_block >= ring && smem_per_sm / (ring + 1024) >= smem_per_sm / (two + 1024);
-}
-
-// DecodePlan::ring for a finished plan: KMLA_DECODE_RING=0|1 forces it off / on (A/B runs;
-// on only where the ring can run: 16-row tiles, no deep pipeline, fits), unset the measured
-// rule (decode_ring_pays).
-bool choose_ring(const DecodePlan& plan, int num_requests, int64_t max_seq_len, CacheFormat format,
-                 int smem_per_sm, int smem_per_block) {
-  const int env = env_int("KMLA_DECODE_RING", -1);
-  KMLA_CHECK(env == -1 || env == 0 || env == 1, "decode: KMLA_DECODE_RING must be 0 or 1, got ",
-             env);
-  if (plan.rows_per_cta != 16 || plan.deep_pipeline || !ring_fits(smem_per_sm, smem_per_block))
-    return false;
-  return env >= 0 ? env == 1 : decode_ring_pays(plan, num_requests, max_seq_len, format);
-}
-
-// DecodePlan::row16_warp_own for a finished plan: KMLA_DECODE_ROW16=31 (the form's number
-// on branch rowilp) turns it on for plans over a bf16 cache that are not portable, unset or
-// 0 leaves it off. Only the 2-stage 16-row kernel reads it (like the ring), so a plan whose
-// row tile a caller changes to 16 later keeps it. An A/B switch until the H200 says whether
-// it pays; it changes the bits (S is added in another order), not the tolerance.
+// DecodePlan::row16_warp_own for a finished plan: on for plans over a 16-bit cache that are
+// not portable (measured 3-7 % faster than the shared-loader form on every memory-bound shape,
+// docs/decode_sm90.md); KMLA_DECODE_WARP_OWN=0 keeps the shared-loader form for A/B runs.
+// Only the 2-stage 16-row kernel reads it, so a plan whose row tile a caller changes to 16
+// later keeps it. It changes the bits (S is added in another order), not the tolerance.
 bool choose_row16_warp_own(const DecodePlan& plan, CacheFormat format) {
-  const int env = env_int("KMLA_DECODE_ROW16", 0);
-  KMLA_CHECK(env == 0 || env == 31, "decode: KMLA_DECODE_ROW16 must be 0 or 31, got ", env);
-  return env == 31 && !plan.portable && format == CacheFormat::bf16;
+  const int env = env_int("KMLA_DECODE_WARP_OWN", 1);
+  KMLA_CHECK(env == 0 || env == 1, "decode: KMLA_DECODE_WARP_OWN must be 0 or 1, got ", env);
+  return env == 1 && !plan.portable &&
+         (format == CacheFormat::bf16 || format == CacheFormat::fp16);
 }
 
 }  // namespace
@@ -2383,12 +2233,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     const int64_t seq = std::min<int64_t>(max_seq_len, std::numeric_limits<int32_t>::max());
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(seq, int64_t(kInvariantMinKeys)), 1,
                                               kMaxSplits));
-    int smem_per_sm = 0;
-    KMLA_CUDA_CHECK(
-        cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
     plan.row16_warp_own = choose_row16_warp_own(plan, format);
-    if (plan.row16_warp_own) plan.ring = false;
     plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
     return plan;
   }
@@ -2472,31 +2317,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
   const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
-  plan.ring = choose_ring(plan, num_requests, max_seq_len, format, smem_per_sm, smem_per_block);
-  // The warp-own form is a form of the 2-stage kernel: where it is asked for, the ring is off.
   plan.row16_warp_own = choose_row16_warp_own(plan, format);
-  if (plan.row16_warp_own) plan.ring = false;
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
-}
-
-int64_t decode_keys_per_cta(const DecodePlan& plan, int num_requests, int64_t max_seq_len) {
-  // Batch-invariant grids split every request into kInvariantMinKeys-key parts (more only
-  // past 1024 splits); counting the batch's own length there would let the batch pick the
-  // compiled kernel, which invariant plans keep fixed by the head count.
-  if (plan.batch_invariant) return kInvariantMinKeys;
-  if (plan.schedule == DecodeSchedule::balanced)
-    return ceil_div(int64_t(std::max(num_requests, 0)) * std::max<int64_t>(max_seq_len, 0),
-                    int64_t(std::max(plan.num_workers, 1)));
-  const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 0), int64_t(kKeyTile));
-  return ceil_div(tiles, int64_t(std::max(plan.num_splits, 1))) * kKeyTile;
-}
-
-bool decode_ring_pays(const DecodePlan& plan, int num_requests, int64_t max_seq_len,
-                      CacheFormat format) {
-  return format == CacheFormat::bf16 && plan.rows_per_cta == 16 && !plan.deep_pipeline &&
-         !plan.portable &&
-         decode_keys_per_cta(plan, num_requests, max_seq_len) <= kDecodeRingMaxKeysPerCta;
 }
 
 size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads) {
@@ -2620,10 +2443,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
     } else if (deep) {
       convert ? launch_splitkv<T, 16, true, kDeepStagesFp8>(a, grid, smem, stream)
               : launch_splitkv<T, 16, false, kDeepStages16>(a, grid, smem, stream);
-    } else if (rows == 16 && !convert && plan.row16_warp_own && std::is_same_v<T, bf16>) {
-      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_warp_own<T>(a, grid, stream);
-    } else if (rows == 16 && !convert && plan.ring && std::is_same_v<T, bf16>) {
-      if constexpr (std::is_same_v<T, bf16>) launch_splitkv_ring<T>(a, grid, stream);
+    } else if (rows == 16 && !convert && plan.row16_warp_own) {
+      launch_splitkv_warp_own<T>(a, grid, stream);
     } else if (rows == 16) {
       convert ? launch_splitkv<T, 16, true>(a, grid, smem, stream, plan.fp8_ctas_per_sm,
                                             p.cache.tile_rule == TileScaleRule::power_of_two)

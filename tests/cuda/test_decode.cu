@@ -1085,222 +1085,14 @@ TEST(CudaDecode, Fp8FragmentPathBadBlock) {
   }
 }
 
-// ---- the half-tile ring (DecodePlan::ring: the 16-row kernel over a bf16 cache) -----------
-// Five 16-key slots, tile t in slots 2t % 5 and (2t + 1) % 5: the ring changes only when the
-// key bytes arrive, never the arithmetic. run_case's run hook launches every plan with the
-// ring off and on and requires the same bits from both; the second is what the harness then
-// compares with the oracle, and its repeat run (the plan as plan_decode made it, ring or
-// not) must give the bits again. A slot read before its copy landed, a tile's halves
-// swapped, a key flag from the wrong slot or a ring that loses its place between the
-// pieces of a balanced CTA changes the bits.
-CaseHooks ring_hooks(const std::string& label) {
-  CaseHooks h;
-  h.label = label;
-  h.check_plan = [](const DecodeParams&, const DecodePlan& plan) {
-    // Only the 16-row, 2-stage kernel has the ring: anything else would test nothing.
-    EXPECT_EQ(plan.rows_per_cta, 16);
-    EXPECT_FALSE(plan.deep_pipeline);
-  };
-  h.run = [](const DecodeParams& p, const DecodePlan& plan, void* workspace) {
-    const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
-    std::vector<uint16_t> out_off(rows * kKvLoraRank), out(rows * kKvLoraRank);
-    std::vector<float> lse_off(rows), lse(rows);
-    for (bool ring : {false, true}) {
-      DecodePlan q = plan;
-      q.ring = ring;
-      ASSERT_EQ(cudaMemset(p.out, 0xFF, out.size() * 2), cudaSuccess);
-      ASSERT_EQ(cudaMemset(p.lse, 0xFF, lse.size() * 4), cudaSuccess);
-      decode_attention(p, q, workspace, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      std::vector<uint16_t>& o = ring ? out : out_off;
-      std::vector<float>& l = ring ? lse : lse_off;
-      ASSERT_EQ(cudaMemcpy(o.data(), p.out, o.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(l.data(), p.lse, l.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    }
-    size_t differ = 0;
-    for (size_t i = 0; i < out.size(); ++i) differ += out[i] != out_off[i];
-    for (size_t i = 0; i < lse.size(); ++i) differ += std::memcmp(&lse[i], &lse_off[i], 4) != 0;
-    EXPECT_EQ(differ, 0u) << "elements with other bits with the ring than without";
-  };
-  return h;
-}
-
-// Lengths just off the 16-key half-tile, the 32-key tile, 64 keys and the block ends
-// (block sizes 16 / 64 / 256), 1 to 7 tiles (the ring wraps after 2.5 tiles) and long
-// ones; 12 and 16 heads one token each and 5 heads with up to 3 causal tokens (15 rows);
-// the plan's choice (balanced), one CTA running every piece in turn, hundreds of workers
-// with every pair cut, and the per-request grid with 1 and 3 splits.
-TEST(CudaDecodeRing, Shapes) {
-  KMLA_REQUIRE_GPU();
-  uint64_t seed = 700;
-  for (int bs : {16, 64, 256}) {
-    for (int heads : {12, 16, 5}) {
-      DecodeCase c;
-      c.heads = heads;
-      c.block_size = bs;
-      c.seq_lens = {15, 16,  17,  31,  32,  33,  47,  49,  63,  64,  65, 0,    95,
-                    97, 127, 129, 159, 161, 191, 193, 225, 255, 257, 1,  1000, 5000};
-      c.query_lens.assign(c.seq_lens.size(), 1);
-      c.query_lens[11] = 0;  // a padded slot
-      if (heads == 5)
-        for (size_t i = 0; i < c.query_lens.size(); ++i)
-          if (c.query_lens[i] && c.seq_lens[i] >= 3) c.query_lens[i] = 1 + int(i % 3);
-      c.seed = seed++;
-      SCOPED_TRACE(::testing::Message() << "block size " << bs << ", heads " << heads);
-      run_case(c, {{0, 16}, {0, 16, false, 1}, {0, 16, false, 300, 0, 0, 0}, {1, 16}, {3, 16}},
-               ring_hooks("ring off / on"));
-    }
-  }
-}
-
-// A block id outside the cache (the loader flags it and masks its keys), and one long
-// request over hundreds of splits (the combine's many-partials form) and over a few.
-TEST(CudaDecodeRing, BadBlockAndLongRequest) {
-  KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 16;
-  c.block_size = 16;
-  c.seq_lens = {100, 40, 0, 16, 177};
-  c.query_lens = {1, 1, 0, 1, 1};
-  c.bad_block_request = 0;  // keys [96, 100) become invisible
-  c.seed = 720;
-  run_case(c, {{0, 16}, {1, 16}, {4, 16}, {0, 16, false, 200, 0, 0, 0}}, ring_hooks("bad block"));
-  DecodeCase l;
-  l.heads = 12;
-  l.block_size = 64;
-  l.seq_lens = {100001};
-  l.query_lens = {1};
-  l.seed = 721;
-  run_case(l, {{0, 16}, {1024, 16}, {7, 16}}, ring_hooks("one long request"));
-}
-
-// plan_decode's choice: the measured rule where the ring's CTA fits twice per SM like the
-// 2-stage one (H200: the bench shapes below), KMLA_DECODE_RING=0|1 forcing it off / on where
-// it can run, never for other row tiles, caches or the deep pipeline; bad values are errors.
-TEST(CudaDecodeRing, PlanChoosesTheRing) {
-  KMLA_REQUIRE_GPU();
-  int device = 0, sms = 0, smem_per_sm = 0, optin = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  ASSERT_EQ(
-      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
-      cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-            cudaSuccess);
-  // The ring's 112,464 B CTA as often per SM as the 2-stage 94,016 B one.
-  const bool fits =
-      optin >= 112464 && smem_per_sm / (112464 + 1024) >= smem_per_sm / (94016 + 1024);
-  const CacheFormat bf = CacheFormat::bf16;
-  {
-    ScopedEnv unset("KMLA_DECODE_RING", nullptr);
-    struct Shape {
-      int requests, heads;
-      int64_t seq;
-      bool invariant;
-    };
-    for (const Shape& s :
-         {Shape{128, 16, 4096, false}, Shape{128, 12, 8192, false}, Shape{32, 12, 32768, false},
-          Shape{4, 12, 262144, false}, Shape{1, 12, 65536, false},
-          Shape{1, 12, int64_t(1) << 20, false}, Shape{1, 16, 4096, true},
-          Shape{3, 12, 100000, true}, Shape{2, 16, int64_t(1) << 24, true}}) {
-      const DecodePlan p = plan_decode(s.requests, s.heads, 1, s.seq, false, s.invariant, bf);
-      SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads x " << s.seq
-                                        << " keys" << (s.invariant ? ", invariant" : ""));
-      EXPECT_EQ(p.ring, fits && decode_ring_pays(p, s.requests, s.seq, bf));
-    }
-    if (fits && sms == 132) {  // H200: where it was measured
-      EXPECT_TRUE(plan_decode(128, 16, 1, 4096, false, false, bf).ring);   // 1,986 keys / CTA
-      EXPECT_FALSE(plan_decode(128, 12, 1, 8192, false, false, bf).ring);  // 3,972
-      EXPECT_FALSE(plan_decode(32, 12, 1, 32768, false, false, bf).ring);  // 3,972
-      EXPECT_TRUE(plan_decode(1, 12, 1, 65536, false, false, bf).ring);    // 256
-      EXPECT_FALSE(plan_decode(1, 12, 1, int64_t(1) << 20, false, false, bf).ring);  // 4,000
-    }
-    // Batch-invariant plans: the head count and the cache decide, never the batch.
-    EXPECT_EQ(plan_decode(1, 12, 1, 100, false, true, bf).ring,
-              plan_decode(5, 12, 1, int64_t(1) << 24, false, true, bf).ring);
-    // Never: another cache format, 32-row tiles, the portable path.
-    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, CacheFormat::fp8_ds_mla).ring);
-    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, CacheFormat::fp16).ring);
-    EXPECT_FALSE(plan_decode(1, 20, 1, 65536, false, false, bf).ring);
-    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, true, false, bf).ring);
-  }
-  {
-    ScopedEnv on("KMLA_DECODE_RING", "1");
-    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false, bf).ring, fits);
-    EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, bf).ring, fits);
-    EXPECT_FALSE(plan_decode(1, 20, 1, 65536, false, false, bf).ring);  // 32-row tiles
-  }
-  {
-    ScopedEnv off("KMLA_DECODE_RING", "0");
-    const DecodePlan p = plan_decode(1, 12, 1, 65536, false, false, bf);
-    EXPECT_FALSE(p.ring);
-    // The ring does not change the splits (it is only chosen where it fits as often per SM).
-    ScopedEnv on("KMLA_DECODE_RING", "1");
-    const DecodePlan q = plan_decode(1, 12, 1, 65536, false, false, bf);
-    EXPECT_EQ(q.num_splits, p.num_splits);
-    EXPECT_EQ(q.workspace_bytes, p.workspace_bytes);
-  }
-  for (const char* bad : {"2", "-2"}) {
-    ScopedEnv env("KMLA_DECODE_RING", bad);
-    EXPECT_THROW(plan_decode(128, 16, 1, 4096, false), Error) << bad;
-  }
-}
-
-// The rule itself on the CPU (no GPU needed): keys per CTA from the plan's schedule, the
-// 2,048-key limit on both sides, and every condition that rules the ring out.
-TEST(DecodeRing, RuleOnTheHost) {
-  const CacheFormat bf = CacheFormat::bf16;
-  DecodePlan per;  // per-request: keys of one split of the longest request, whole tiles
-  per.rows_per_cta = 16;
-  per.num_splits = 256;
-  EXPECT_EQ(decode_keys_per_cta(per, 1, 65536), 256);
-  EXPECT_TRUE(decode_ring_pays(per, 1, 65536, bf));
-  per.num_splits = 263;
-  EXPECT_EQ(decode_keys_per_cta(per, 1, int64_t(1) << 20), 4000);  // 125 tiles per split
-  EXPECT_FALSE(decode_ring_pays(per, 1, int64_t(1) << 20, bf));
-  per.num_splits = 1;
-  EXPECT_EQ(decode_keys_per_cta(per, 7, 2048), 2048);
-  EXPECT_TRUE(decode_ring_pays(per, 7, 2048, bf));
-  EXPECT_EQ(decode_keys_per_cta(per, 7, 2049), 2080);  // 65 tiles
-  EXPECT_FALSE(decode_ring_pays(per, 7, 2049, bf));
-  EXPECT_EQ(decode_keys_per_cta(per, 7, 0), 0);
-  DecodePlan inv = per;  // batch invariant: the split size, whatever the batch
-  inv.batch_invariant = true;
-  inv.num_splits = 1024;
-  EXPECT_EQ(decode_keys_per_cta(inv, 1, int64_t(1) << 24), decode_keys_per_cta(inv, 9, 100));
-  EXPECT_TRUE(decode_ring_pays(inv, 1, int64_t(1) << 24, bf));
-  DecodePlan bal;  // balanced: the batch's keys at the longest length over the workers
-  bal.schedule = DecodeSchedule::balanced;
-  bal.rows_per_cta = 16;
-  bal.num_workers = 264;
-  EXPECT_EQ(decode_keys_per_cta(bal, 128, 4096), 1986);
-  EXPECT_TRUE(decode_ring_pays(bal, 128, 4096, bf));
-  EXPECT_EQ(decode_keys_per_cta(bal, 128, 8192), 3972);
-  EXPECT_FALSE(decode_ring_pays(bal, 128, 8192, bf));
-  EXPECT_TRUE(decode_ring_pays(bal, 132, 4096, bf));   // 2,048 exactly
-  EXPECT_FALSE(decode_ring_pays(bal, 133, 4096, bf));  // 2,064
-  // Never for another cache, other row tiles, the deep pipeline or the portable path.
-  for (CacheFormat f : {CacheFormat::fp16, CacheFormat::fp8, CacheFormat::fp8_ds_mla})
-    EXPECT_FALSE(decode_ring_pays(bal, 128, 4096, f)) << cache_format_name(f);
-  DecodePlan other = bal;
-  other.rows_per_cta = 32;
-  EXPECT_FALSE(decode_ring_pays(other, 128, 4096, bf));
-  other = bal;
-  other.deep_pipeline = true;
-  EXPECT_FALSE(decode_ring_pays(other, 128, 4096, bf));
-  other = bal;
-  other.portable = true;
-  EXPECT_FALSE(decode_ring_pays(other, 128, 4096, bf));
-}
-
-// ---- the 16-row bf16 kernel's warp-own form (DecodePlan::row16_warp_own) -----------------
+// ---- the 16-row 16-bit kernel's warp-own form (DecodePlan::row16_warp_own) ---------------
 // Each warp copies the key columns it reads and waits for its own copies; S is split by
-// depth and its four partials are added in warp order, so the bits differ from the default
-// form's and the oracle's tolerance is what holds it (the harness compares every row). The
-// hook runs the default 2-stage kernel first (the same plan with the field off) and then the
-// plan itself, which the harness checks and repeats (same bits twice: no copy read before
-// it landed, no partial-S buffer reused too early). Across a test some bits must differ:
-// if none did, the form was never launched (another kernel ran under the flag).
+// depth and its four partials are added in warp order, so the bits differ from the
+// shared-loader form's and the oracle's tolerance is what holds it (the harness compares
+// every row). The hook runs the shared-loader 2-stage kernel first (the same plan with the
+// field off) and then the plan itself, which the harness checks and repeats (same bits
+// twice: no copy read before it landed, no partial-S buffer reused too early). Across a test
+// some bits must differ: if none did, the form was never launched (another kernel ran).
 CaseHooks warp_own_hooks(const std::string& label, size_t* differ) {
   CaseHooks h;
   h.label = label;
@@ -1308,7 +1100,6 @@ CaseHooks warp_own_hooks(const std::string& label, size_t* differ) {
     EXPECT_EQ(plan.rows_per_cta, 16);
     EXPECT_FALSE(plan.deep_pipeline);
     EXPECT_TRUE(plan.row16_warp_own);
-    EXPECT_FALSE(plan.ring);
   };
   h.run = [differ](const DecodeParams& p, const DecodePlan& plan, void* workspace) {
     const size_t rows = size_t(p.batch.num_rows) * size_t(p.heads);
@@ -1338,15 +1129,20 @@ CaseHooks warp_own_hooks(const std::string& label, size_t* differ) {
 // past the request) and 5 heads with up to 3 causal tokens; a padded slot. Plans: the
 // balanced schedule as planned, one CTA running every piece in turn, 300 workers with every
 // pair cut (pieces back to back in one CTA: the next piece's Q over the last partial S),
-// and the per-request grid with 1 split (direct output) and 3.
+// and the per-request grid with 1 split (direct output) and 3. An fp16 cache (f16
+// activations: the form's other instantiation) at block size 64.
 TEST(CudaDecodeWarpOwn, Shapes) {
   KMLA_REQUIRE_GPU();
-  ScopedEnv env("KMLA_DECODE_ROW16", "31");
   size_t differ = 0;
   uint64_t seed = 800;
-  for (int bs : {16, 64, 256}) {
+  for (int bs_code : {16, 64, 256, -64}) {  // negative: an fp16 cache, block size -bs_code
     for (int heads : {12, 16, 5}) {
       DecodeCase c;
+      if (bs_code < 0) {
+        c.format = CacheFormat::fp16;
+        c.act = DType::f16;
+      }
+      const int bs = std::abs(bs_code);
       c.heads = heads;
       c.block_size = bs;
       c.seq_lens = {15, 16,  17,  31,  32,  33,  47,  49,  63,  64,  65, 0,    95,
@@ -1357,7 +1153,8 @@ TEST(CudaDecodeWarpOwn, Shapes) {
         if (c.query_lens[i] && c.seq_lens[i] >= 3)
           c.query_lens[i] = heads == 5 ? 1 + int(i % 3) : 1 + int(i % 2);
       c.seed = seed++;
-      SCOPED_TRACE(::testing::Message() << "block size " << bs << ", heads " << heads);
+      SCOPED_TRACE(::testing::Message() << cache_format_name(c.format) << ", block size " << bs
+                                        << ", heads " << heads);
       run_case(c, {{0, 16}, {0, 16, false, 1}, {0, 16, false, 300, 0, 0, 0}, {1, 16}, {3, 16}},
                warp_own_hooks("warp-own form", &differ));
     }
@@ -1369,7 +1166,6 @@ TEST(CudaDecodeWarpOwn, Shapes) {
 // own key flags), and one long request over hundreds of splits and over a few.
 TEST(CudaDecodeWarpOwn, BadBlockAndLongRequest) {
   KMLA_REQUIRE_GPU();
-  ScopedEnv env("KMLA_DECODE_ROW16", "31");
   size_t differ = 0;
   DecodeCase c;
   c.heads = 16;
@@ -1390,51 +1186,54 @@ TEST(CudaDecodeWarpOwn, BadBlockAndLongRequest) {
   EXPECT_GT(differ, 0u) << "the warp-own form gave the default form's bits everywhere";
 }
 
-// plan_decode takes KMLA_DECODE_ROW16=31 for non-portable bf16 plans (and then never the
-// ring), keeps the 2-stage grid and workspace, leaves every other cache and the portable path
-// alone, is off when unset or 0, and rejects any other value (rowilp's forms 5 / 7 / 15
-// were not ported).
-TEST(CudaDecodeWarpOwn, PlanTakesTheSwitch) {
+// plan_decode picks the warp-own form for every non-portable plan over a 16-bit cache
+// (unset or KMLA_DECODE_WARP_OWN=1), never for fp8 caches or the portable path; =0 keeps the
+// shared loader with the same grid and workspace; any other value is an error.
+TEST(CudaDecodeWarpOwn, PlanChoosesTheForm) {
   KMLA_REQUIRE_GPU();
-  const CacheFormat bf = CacheFormat::bf16;
-  for (const char* off : {static_cast<const char*>(nullptr), "0"}) {
-    ScopedEnv env("KMLA_DECODE_ROW16", off);
-    EXPECT_FALSE(plan_decode(128, 12, 1, 8192, false, false, bf).row16_warp_own);
-    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, bf).row16_warp_own);
-  }
-  ScopedEnv ring("KMLA_DECODE_RING", "1");  // asked for, and still off under the switch
-  ScopedEnv plain("KMLA_DECODE_ROW16", nullptr);
-  const DecodePlan base = plan_decode(1, 12, 1, 65536, false, false, bf);
-  const DecodePlan base_bal = plan_decode(128, 12, 1, 8192, false, false, bf);
-  ScopedEnv on("KMLA_DECODE_ROW16", "31");
   struct Shape {
     int requests, heads, qlen;
     int64_t seq;
     bool invariant;
   };
-  for (const Shape& s : {Shape{128, 12, 1, 8192, false}, Shape{1, 12, 1, 65536, false},
-                         Shape{128, 16, 1, 4096, false}, Shape{1, 12, 1, int64_t(1) << 20, false},
-                         Shape{4, 5, 3, 1000, false}, Shape{3, 12, 1, 100000, true}}) {
-    const DecodePlan p = plan_decode(s.requests, s.heads, s.qlen, s.seq, false, s.invariant, bf);
-    SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads x " << s.qlen
-                                      << " x " << s.seq << " keys");
-    EXPECT_TRUE(p.row16_warp_own);
-    EXPECT_FALSE(p.ring);
+  const Shape shapes[] = {{128, 12, 1, 8192, false}, {1, 12, 1, 65536, false},
+                          {128, 16, 1, 4096, false}, {1, 12, 1, int64_t(1) << 20, false},
+                          {4, 5, 3, 1000, false},    {3, 12, 1, 100000, true}};
+  for (const char* on : {static_cast<const char*>(nullptr), "1"}) {
+    ScopedEnv env("KMLA_DECODE_WARP_OWN", on);
+    for (CacheFormat f : {CacheFormat::bf16, CacheFormat::fp16}) {
+      for (const Shape& s : shapes) {
+        SCOPED_TRACE(::testing::Message() << cache_format_name(f) << ", " << s.requests << " x "
+                                          << s.heads << " heads x " << s.qlen << " x " << s.seq
+                                          << " keys, KMLA_DECODE_WARP_OWN=" << (on ? on : ""));
+        EXPECT_TRUE(
+            plan_decode(s.requests, s.heads, s.qlen, s.seq, false, s.invariant, f).row16_warp_own);
+      }
+    }
+    for (CacheFormat f : {CacheFormat::fp8, CacheFormat::fp8_ds_mla})
+      EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, f).row16_warp_own)
+          << cache_format_name(f);
+    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, true, false).row16_warp_own);  // portable
   }
-  const DecodePlan q = plan_decode(1, 12, 1, 65536, false, false, bf);
-  EXPECT_EQ(q.schedule, base.schedule);
-  EXPECT_EQ(q.num_splits, base.num_splits);
-  EXPECT_EQ(q.workspace_bytes, base.workspace_bytes);
-  const DecodePlan q_bal = plan_decode(128, 12, 1, 8192, false, false, bf);
-  EXPECT_EQ(q_bal.schedule, base_bal.schedule);
-  EXPECT_EQ(q_bal.num_workers, base_bal.num_workers);
-  EXPECT_EQ(q_bal.workspace_bytes, base_bal.workspace_bytes);
-  for (CacheFormat f : {CacheFormat::fp16, CacheFormat::fp8, CacheFormat::fp8_ds_mla})
-    EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false, false, f).row16_warp_own)
-        << cache_format_name(f);
-  EXPECT_FALSE(plan_decode(1, 12, 1, 65536, true, false, bf).row16_warp_own);  // portable
-  for (const char* bad : {"5", "7", "15", "1", "-1"}) {
-    ScopedEnv env("KMLA_DECODE_ROW16", bad);
+  for (const Shape& s : shapes) {
+    DecodePlan on, off;
+    {
+      ScopedEnv env("KMLA_DECODE_WARP_OWN", "1");
+      on = plan_decode(s.requests, s.heads, s.qlen, s.seq, false, s.invariant);
+    }
+    {
+      ScopedEnv env("KMLA_DECODE_WARP_OWN", "0");
+      off = plan_decode(s.requests, s.heads, s.qlen, s.seq, false, s.invariant);
+    }
+    SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads");
+    EXPECT_FALSE(off.row16_warp_own);
+    EXPECT_EQ(on.schedule, off.schedule);
+    EXPECT_EQ(on.num_splits, off.num_splits);
+    EXPECT_EQ(on.num_workers, off.num_workers);
+    EXPECT_EQ(on.workspace_bytes, off.workspace_bytes);
+  }
+  for (const char* bad : {"2", "31", "-1"}) {
+    ScopedEnv env("KMLA_DECODE_WARP_OWN", bad);
     EXPECT_THROW(plan_decode(128, 16, 1, 4096, false), Error) << bad;
   }
 }

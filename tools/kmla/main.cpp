@@ -706,6 +706,9 @@ int main(int argc, char** argv) {
   bench->add_flag("--portable", bo.portable, "force the portable sm_80 kernels");
   bench->add_flag("--sequential-blocks", bo.sequential_blocks,
                   "give each request's cache blocks in order (default: a random permutation of all blocks)");
+  bench->add_flag("--write-flush", bo.write_flush,
+                  "flush L2 before each timed run by writing a buffer (leaves dirty lines the run "
+                  "writes back; default: by reading it)");
   int bench_tp = 0, bench_cp = 0;
   bench->add_option("--tp", bench_tp,
                     "the K3 layer cases at this tensor-parallel world, one process per GPU through NCCL "
