@@ -254,9 +254,12 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       const int w0 = worker_of(off, st.total, st.workers);
       const int n = worker_of(end - 1, st.total, st.workers) - w0 + 1, s = st.worker - w0;
       // Units [u0, u1) of the pair map onto its key tiles proportionally (the start-up
-      // charge spread over them), so neighbouring pieces meet on the same tile.
+      // charge spread over them), rounded to the nearest tile, so neighbouring pieces meet on
+      // the same tile and a pair cut in halves gets two equal halves (rounding down gave a
+      // 128-tile pair 63 + 65 tiles: the second worker two tiles late).
       const int64_t u0 = (st.lo > off ? st.lo : off) - off, u1 = (st.hi < end ? st.hi : end) - off;
-      const int t0 = int(u0 * tiles / units), t1 = int(u1 * tiles / units);
+      const int t0 = int((2 * u0 * tiles + units) / (2 * units));
+      const int t1 = int((2 * u1 * tiles + units) / (2 * units));
       w.key0 = t0 * KEY_TILE;
       w.key1 = t1 * KEY_TILE < kmax ? t1 * KEY_TILE : kmax;
       if (w.key1 < w.key0) w.key1 = w.key0;

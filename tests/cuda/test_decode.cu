@@ -241,6 +241,18 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
     EXPECT_EQ(one_long.schedule, DecodeSchedule::per_request);  // one request: equal splits
   }
   EXPECT_EQ(plan_decode(2, 16, 1, 8192, false, true).schedule, DecodeSchedule::per_request);
+  // Balanced workers: aligned to the requests for 16-row tiles, every slot for 64-row ones.
+  if (!schedule_forced() && std::getenv("KMLA_DECODE_WORKERS") == nullptr) {
+    int device = 0, sms = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+    const DecodePlan rows16 = plan_decode(128, 12, 1, 8192, false);
+    const DecodePlan rows64 = plan_decode(64, 128, 1, 8192, false);
+    ASSERT_EQ(rows16.rows_per_cta, 16);
+    ASSERT_EQ(rows64.rows_per_cta, 64);
+    EXPECT_EQ(rows16.num_workers, decode_balanced_workers(2 * int64_t(sms), 128));
+    EXPECT_EQ(rows64.num_workers, sms);
+  }
 }
 
 // ---- the balanced scheduler ----------------------------------------------------------
@@ -470,6 +482,57 @@ TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
       check_host_schedule<32, 32>(c);
     }
     if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// The balanced plan's worker count: a multiple of the requests when that idles at most 1/32
+// of the slots (both sides of the limit), else every slot; and a uniform batch on the
+// aligned count gives every worker exactly one whole piece.
+TEST(DecodeSched, WorkersAlignToTheRequests) {
+  EXPECT_EQ(decode_balanced_workers(264, 128), 256);  // 8 idle <= 8.25
+  EXPECT_EQ(decode_balanced_workers(264, 32), 256);
+  EXPECT_EQ(decode_balanced_workers(264, 4), 264);     // 66 each already
+  EXPECT_EQ(decode_balanced_workers(264, 100), 264);   // 200 would idle 64
+  EXPECT_EQ(decode_balanced_workers(264, 131), 262);   // 2 idle
+  EXPECT_EQ(decode_balanced_workers(264, 85), 264);    // 255 would idle 9 > 8.25
+  EXPECT_EQ(decode_balanced_workers(396, 128), 384);   // 12 idle <= 12.375
+  EXPECT_EQ(decode_balanced_workers(132, 64), 128);    // 4 idle <= 4.125
+  EXPECT_EQ(decode_balanced_workers(132, 65), 130);
+  EXPECT_EQ(decode_balanced_workers(128, 33), 128);    // 99 would idle 29
+  EXPECT_EQ(decode_balanced_workers(264, 265), 264);   // more requests than slots
+  EXPECT_EQ(decode_balanced_workers(264, 0), 264);
+  HostSchedCase c;
+  c.heads = 16;
+  c.seq.assign(128, 4096);
+  c.qlen.assign(128, 1);
+  c.grid = int(decode_balanced_workers(264, 128));
+  check_host_schedule<16, 32>(c);
+  DecodeArgs a{};
+  a.seq_lens = c.seq.data();
+  a.query_lens = c.qlen.data();
+  a.num_requests = 128;
+  a.heads = 16;
+  a.causal = true;
+  a.max_rows = 16;
+  a.row_tiles = 1;
+  a.sched_pair_keys = 32;
+  a.sched_min_keys = 256;
+  a.sched_nosplit_keys = 512;
+  std::vector<int2> table(128);
+  a.pair_table = table.data();
+  const SchedUnits u = sched_units(a, 32);
+  std::vector<int64_t> off(129, 0);
+  for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
+  const int workers = balanced_workers(off[128], c.grid, u.min_worker);
+  ASSERT_EQ(workers, 256);
+  for (int w = 0; w < workers; ++w) {
+    int pieces = 0;
+    walk_worker<16, 32>(a, u, w, workers, off[128], off, false, [&](const DecodeWork& piece) {
+      ++pieces;
+      EXPECT_EQ(piece.r, w / 2) << "worker " << w;
+      EXPECT_EQ(piece.key1 - piece.key0, 2048) << "worker " << w;
+    });
+    EXPECT_EQ(pieces, 1) << "worker " << w;
   }
 }
 
@@ -1042,7 +1105,10 @@ TEST(CudaDecode, PlanFp8CtasPerSm) {
     ScopedEnv ctas("KMLA_FP8_CTAS", env);
     const DecodePlan p = plan_decode(128, 12, 1, 8192, false, false, ds);
     EXPECT_EQ(p.fp8_ctas_per_sm, fits ? 3 : 2);
-    EXPECT_EQ(p.num_workers * 2, ref.num_workers * (fits ? 3 : 2));
+    int sms = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+    EXPECT_EQ(ref.num_workers, decode_balanced_workers(2 * sms, 128));
+    EXPECT_EQ(p.num_workers, decode_balanced_workers((fits ? 3 : 2) * sms, 128));
     EXPECT_GE(p.workspace_bytes, decode_workspace_bytes(p, 128, 12));
     for (CacheFormat other : {CacheFormat::fp8, CacheFormat::bf16}) {
       const DecodePlan o = plan_decode(128, 12, 1, 8192, false, false, other);
