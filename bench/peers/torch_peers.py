@@ -17,8 +17,9 @@ What it measures (SPEC §4):
     prefill, and an absorbed decode step of 128 requests x 8192 keys that gathers the paged
     cache and uses plain matmuls (a naive composition: a reference point, not a peer kernel).
 
-Timing: CUDA events around each run, an L2 flush (a fill of 2x the L2 size) before each timed
-run and outside it, median of --iters runs after --warmup untimed ones.
+Timing: CUDA events around each run, an L2 flush before each timed run and outside it (a read
+of 2x the L2 size, which leaves clean lines, as `kmla bench` does; --write-flush fills the
+buffer instead), median of --iters runs after --warmup untimed ones.
 FLOPs: decode 2*B*q*H*S*(576+512); prefill attention 2*H*(192+128)*pairs (T(T+1)/2 causal);
 GEMMs 2*rows*in*out each; decode bytes B*S*1152 (bf16 cache).
 """
@@ -83,10 +84,11 @@ def layer_projection_flops(rows, hidden, heads, q_lora, absorbed):
 class Timer:
     """CUDA-event timing with an L2 flush before every timed run (not inside it)."""
 
-    def __init__(self, warmup, iters):
+    def __init__(self, warmup, iters, write_flush=False):
         props = torch.cuda.get_device_properties(0)
         l2 = getattr(props, "L2_cache_size", 0) or (128 << 20)
-        self.flush = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
+        self.flush = torch.ones(max(2 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
+        self.write_flush = write_flush
         self.warmup, self.iters = warmup, iters
         self.start = torch.cuda.Event(enable_timing=True)
         self.stop = torch.cuda.Event(enable_timing=True)
@@ -98,7 +100,10 @@ class Timer:
             fn()
         times = []
         for i in range(max(iters, 1)):
-            self.flush.fill_(i & 1)
+            if self.write_flush:
+                self.flush.fill_(i & 1)
+            else:
+                self.flush.sum()  # reads every byte, writes one scalar
             self.start.record()
             fn()
             self.stop.record()
@@ -401,12 +406,14 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--write-flush", action="store_true",
+                    help="flush L2 by filling a buffer (leaves dirty lines) instead of reading it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_peers.py needs a CUDA GPU")
 
     props = torch.cuda.get_device_properties(0)
-    timer = Timer(args.warmup, args.iters)
+    timer = Timer(args.warmup, args.iters, args.write_flush)
     copy_gb_s = copy_bandwidth_gb_s(timer)
     results, working = [], {}
 
