@@ -361,23 +361,29 @@ void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, i
   while (next_piece<ROWS, KEY_TILE>(a, st, write_table, p)) f(p);
 }
 
-template <int ROWS, int KEY_TILE>
-void check_host_schedule(const HostSchedCase& c) {
-  const int R = int(c.seq.size());
+// The kernel arguments the balanced walk reads, for case c with ROWS-row tiles (no pair table).
+DecodeArgs host_sched_args(const HostSchedCase& c, int rows) {
   DecodeArgs a{};
   a.seq_lens = c.seq.data();
   a.query_lens = c.qlen.data();
-  a.num_requests = R;
+  a.num_requests = int(c.seq.size());
   a.heads = c.heads;
   a.causal = c.causal;
   a.max_rows = c.max_qlen * c.heads;
   a.balanced = true;
   a.num_workers = c.grid;
-  a.rows_per_cta = ROWS;
-  a.row_tiles = (a.max_rows + ROWS - 1) / ROWS;
+  a.rows_per_cta = rows;
+  a.row_tiles = (a.max_rows + rows - 1) / rows;
   a.sched_pair_keys = c.pair_keys;
   a.sched_min_keys = c.min_keys;
   a.sched_nosplit_keys = c.nosplit_keys;
+  return a;
+}
+
+template <int ROWS, int KEY_TILE>
+void check_host_schedule(const HostSchedCase& c) {
+  const int R = int(c.seq.size());
+  DecodeArgs a = host_sched_args(c, ROWS);
   std::vector<int2> table(size_t(R) * a.row_tiles, make_int2(-1, -1));
   a.pair_table = table.data();
 
@@ -507,19 +513,7 @@ TEST(DecodeSched, WorkersAlignToTheRequests) {
   c.qlen.assign(128, 1);
   c.grid = int(decode_balanced_workers(264, 128));
   check_host_schedule<16, 32>(c);
-  DecodeArgs a{};
-  a.seq_lens = c.seq.data();
-  a.query_lens = c.qlen.data();
-  a.num_requests = 128;
-  a.heads = 16;
-  a.causal = true;
-  a.max_rows = 16;
-  a.row_tiles = 1;
-  a.sched_pair_keys = 32;
-  a.sched_min_keys = 256;
-  a.sched_nosplit_keys = 512;
-  std::vector<int2> table(128);
-  a.pair_table = table.data();
+  const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
   std::vector<int64_t> off(129, 0);
   for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
@@ -550,17 +544,7 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
     c.qlen.push_back(1);
   }
   check_host_schedule<16, 32>(c);
-  DecodeArgs a{};
-  a.seq_lens = c.seq.data();
-  a.query_lens = c.qlen.data();
-  a.num_requests = 128;
-  a.heads = 12;
-  a.causal = true;
-  a.max_rows = 12;
-  a.row_tiles = 1;
-  a.sched_pair_keys = 32;
-  a.sched_min_keys = 256;
-  a.sched_nosplit_keys = 512;
+  const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
   std::vector<int64_t> off(129, 0);
   for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
