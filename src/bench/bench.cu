@@ -161,7 +161,8 @@ __global__ void read_stream_kernel(const uint4* __restrict__ src, size_t n, uint
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += kUnroll * stride) {
     uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = i + u * stride < n ? __ldg(src + i + u * stride) : uint4{};
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = i + u * stride < n ? __ldg(src + i + u * stride) : uint4{};
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
@@ -208,9 +209,9 @@ class Timer {
       if (write_flush_) {
         KMLA_CUDA_CHECK(cudaMemsetAsync(flush_.data(), 1, flush_.bytes(), stream_));
       } else {
-        read_stream_kernel<<<8 * sms_, 256, 0, stream_>>>(
-            static_cast<const uint4*>(flush_.data()), flush_.bytes() / sizeof(uint4),
-            static_cast<uint4*>(flush_.data()));
+        read_stream_kernel<<<8 * sms_, 256, 0, stream_>>>(static_cast<const uint4*>(flush_.data()),
+                                                          flush_.bytes() / sizeof(uint4),
+                                                          static_cast<uint4*>(flush_.data()));
         KMLA_CUDA_CHECK(cudaGetLastError());
       }
       KMLA_CUDA_CHECK(cudaEventRecord(start_, stream_));
@@ -834,10 +835,12 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     char head[512];
     std::snprintf(head, sizeof head,
                   "kmla bench: %s, %d SMs, %s; copy bandwidth %.1f GB/s (2 GiB D2D, read+write, "
-                  "median of 10), read-only %.1f GB/s (%.3f of copy); median of %d runs, L2 flushed by %s%s%s\n",
+                  "median of 10), read-only %.1f GB/s (%.3f of copy); median of %d runs, L2 "
+                  "flushed by %s%s%s\n",
                   prop.name, prop.multiProcessorCount, date.c_str(), copy_gb_s, read_gb_s,
                   read_gb_s / copy_gb_s, o.iters, o.write_flush ? "writing" : "reading",
-                  o.portable ? "; portable kernels" : "", o.sequential_blocks ? "; sequential blocks" : "");
+                  o.portable ? "; portable kernels" : "",
+                  o.sequential_blocks ? "; sequential blocks" : "");
     out << head;
     std::snprintf(head, sizeof head, "%-56s %10s %7s %8s  %6s  %s\n", "case", "us", "TB/s",
                   "TFLOP/s", "copy", "");

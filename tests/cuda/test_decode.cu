@@ -497,15 +497,15 @@ TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
 TEST(DecodeSched, WorkersAlignToTheRequests) {
   EXPECT_EQ(decode_balanced_workers(264, 128), 256);  // 8 idle <= 8.25
   EXPECT_EQ(decode_balanced_workers(264, 32), 256);
-  EXPECT_EQ(decode_balanced_workers(264, 4), 264);     // 66 each already
-  EXPECT_EQ(decode_balanced_workers(264, 100), 264);   // 200 would idle 64
-  EXPECT_EQ(decode_balanced_workers(264, 131), 262);   // 2 idle
-  EXPECT_EQ(decode_balanced_workers(264, 85), 264);    // 255 would idle 9 > 8.25
-  EXPECT_EQ(decode_balanced_workers(396, 128), 384);   // 12 idle <= 12.375
-  EXPECT_EQ(decode_balanced_workers(132, 64), 128);    // 4 idle <= 4.125
+  EXPECT_EQ(decode_balanced_workers(264, 4), 264);    // 66 each already
+  EXPECT_EQ(decode_balanced_workers(264, 100), 264);  // 200 would idle 64
+  EXPECT_EQ(decode_balanced_workers(264, 131), 262);  // 2 idle
+  EXPECT_EQ(decode_balanced_workers(264, 85), 264);   // 255 would idle 9 > 8.25
+  EXPECT_EQ(decode_balanced_workers(396, 128), 384);  // 12 idle <= 12.375
+  EXPECT_EQ(decode_balanced_workers(132, 64), 128);   // 4 idle <= 4.125
   EXPECT_EQ(decode_balanced_workers(132, 65), 130);
-  EXPECT_EQ(decode_balanced_workers(128, 33), 128);    // 99 would idle 29
-  EXPECT_EQ(decode_balanced_workers(264, 265), 264);   // more requests than slots
+  EXPECT_EQ(decode_balanced_workers(128, 33), 128);   // 99 would idle 29
+  EXPECT_EQ(decode_balanced_workers(264, 265), 264);  // more requests than slots
   EXPECT_EQ(decode_balanced_workers(264, 0), 264);
   HostSchedCase c;
   c.heads = 16;
@@ -1203,8 +1203,8 @@ TEST(CudaDecodeWarpOwn, Shapes) {
         if (c.query_lens[i] && c.seq_lens[i] >= 3)
           c.query_lens[i] = heads == 5 ? 1 + int(i % 3) : 1 + int(i % 2);
       c.seed = seed++;
-      SCOPED_TRACE(::testing::Message() << cache_format_name(c.format) << ", block size " << bs
-                                        << ", heads " << heads);
+      SCOPED_TRACE(::testing::Message()
+                   << cache_format_name(c.format) << ", block size " << bs << ", heads " << heads);
       run_case(c, {{0, 16}, {0, 16, false, 1}, {0, 16, false, 300, 0, 0, 0}, {1, 16}, {3, 16}},
                warp_own_hooks("warp-own form", &differ));
     }
