@@ -386,6 +386,40 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// The online-softmax step of a warp's 16 x 32 score fragment (mma C layout: s[n][0..1] in row
+// g, s[n][2..3] in row g + 8, keys 8 n + 2 tq + i): mx_lo / mx_hi are this lane's maxima of
+// its masked, scaled scores. Takes the rows' maxima over the quad, moves the running max m,
+// turns the scores into p = 2^(s - m) and adds them to l; returns the factor (corr_lo,
+// corr_hi) by which the output accumulators must be scaled.
+__device__ __forceinline__ float2 softmax_fragment_step(float (&s)[4][4], float mx_lo, float mx_hi,
+                                                        float& m_lo, float& m_hi, float& l_lo,
+                                                        float& l_hi) {
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o));
+  }
+  const float mnew_lo = fmaxf(m_lo, mx_lo), mnew_hi = fmaxf(m_hi, mx_hi);
+  // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+  const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+  const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+  const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
+  m_lo = mnew_lo;
+  m_hi = mnew_hi;
+  l_lo *= corr_lo;
+  l_hi *= corr_hi;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    s[n][0] = fast_exp2(s[n][0] - mref_lo);
+    s[n][1] = fast_exp2(s[n][1] - mref_lo);
+    s[n][2] = fast_exp2(s[n][2] - mref_hi);
+    s[n][3] = fast_exp2(s[n][3] - mref_hi);
+    l_lo += s[n][0] + s[n][1];
+    l_hi += s[n][2] + s[n][3];
+  }
+  return make_float2(corr_lo, corr_hi);
+}
+
 // One piece of 16 rows over keys [work.key0, work.key1) (ntiles tiles) of request work.r.
 // kF16Mma (plain fp8, bf16 activations; the default there, KMLA_FP8_DECODE=bf16mma turns it
 // off): both mma run on f16 operands, so a pair of codes costs one conversion instead of
@@ -790,29 +824,8 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
         }
       }
     }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o));
-    }
-    const float mnew_lo = fmaxf(m_lo, mx_lo), mnew_hi = fmaxf(m_hi, mx_hi);
-    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-    const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
-    const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
-    const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
-    m_lo = mnew_lo;
-    m_hi = mnew_hi;
-    l_lo *= corr_lo;
-    l_hi *= corr_hi;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      s[n][0] = fast_exp2(s[n][0] - mref_lo);
-      s[n][1] = fast_exp2(s[n][1] - mref_lo);
-      s[n][2] = fast_exp2(s[n][2] - mref_hi);
-      s[n][3] = fast_exp2(s[n][3] - mref_hi);
-      l_lo += s[n][0] + s[n][1];
-      l_hi += s[n][2] + s[n][3];
-    }
+    const float2 corr = softmax_fragment_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi);
+    const float corr_lo = corr.x, corr_hi = corr.y;
     float f_lo = corr_lo, f_hi = corr_hi;  // what the accumulators take
     if constexpr (kFoldScale) {
       // p * scale[k][warp] (exact: a power of two; l above has the plain p), the row's
@@ -1336,29 +1349,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
             mx_hi = fmaxf(mx_hi, s[n][2 + i]);
           }
       }
-#pragma unroll
-      for (int o = 1; o <= 2; o <<= 1) {
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o));
-      }
-      const float mnew_lo = fmaxf(m_lo, mx_lo), mnew_hi = fmaxf(m_hi, mx_hi);
-      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-      const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
-      const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
-      const float corr_lo = fast_exp2(m_lo - mref_lo), corr_hi = fast_exp2(m_hi - mref_hi);
-      m_lo = mnew_lo;
-      m_hi = mnew_hi;
-      l_lo *= corr_lo;
-      l_hi *= corr_hi;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        s[n][0] = fast_exp2(s[n][0] - mref_lo);
-        s[n][1] = fast_exp2(s[n][1] - mref_lo);
-        s[n][2] = fast_exp2(s[n][2] - mref_hi);
-        s[n][3] = fast_exp2(s[n][3] - mref_hi);
-        l_lo += s[n][0] + s[n][1];
-        l_hi += s[n][2] + s[n][3];
-      }
+      const float2 corr = softmax_fragment_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi);
+      const float corr_lo = corr.x, corr_hi = corr.y;
       // Once the running max settles corr is exactly 1: skip the 64 multiplications then
       // (x * 1 = x, bitwise the same).
       if (__any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
@@ -1722,7 +1714,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 }
 
 // ---- combine: out = sum_s exp(lse_s - LSE) O_s, LSE = log sum_s exp(lse_s) ----------
-// Two forms, picked by the plan from the row count (decode_attention, below): this one, a
+// Two forms, picked from the row and partial counts (decode_attention, below): this one, a
 // warp per task, for many rows of a few partials each, and decode_combine_rows_kernel (a
 // CTA per task, one pass over the LSEs) for a few rows of many partials. A task is one
 // (row, column chunk): the row's 512 columns come in `chunks` chunks of 128 / chunks
@@ -2480,7 +2472,18 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       if (!plan.batch_invariant) {
         chunks = 1;
         while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
-        rows_form = chunks >= 4 && items * chunks <= 512;
+        // More than 32 partials per row on average (a few long requests: 4 x 256K keys cut
+        // into ~66 pieces each) take the CTA form too, with at least 4 chunks: the warp form
+        // walks the LSEs three times and reads the partials one after another. Measured on
+        // H200 (2026-12-03), (4, 12, 256K): 311.4-313.2 against 320.8-322.5 us. Lower
+        // thresholds (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12,
+        // 32K) (~8 partials) and cost fp8_ds_mla 10 % at 2.
+        const int64_t pairs = int64_t(b.num_requests) * a.row_tiles;
+        const int64_t parts =
+            balanced ? ceil_div(int64_t(plan.num_workers), pairs) : plan.num_splits;
+        const bool many_parts = parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
+        if (many_parts) chunks = std::max(chunks, 4);
+        rows_form = chunks >= 4 && (items * chunks <= 512 || many_parts);
         // A/B switch for the many-partials form: its chunks per row (4, 8, 16 or 32).
         const int forced = env_int("KMLA_DECODE_COMBINE_CHUNKS", 0);
         if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
