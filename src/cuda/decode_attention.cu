@@ -498,7 +498,7 @@ __device__ __forceinline__ void decode_fp8_tiles(const DecodeArgs& a, std::byte*
   const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
   auto fetch_block = [&](int tile) -> int {
     const int pos = key0 + tile * kKeyTile + my_key;
-    return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+    return tile < ntiles && pos < key1 ? table[decode_block_of(a, pos)] : -1;
   };
   auto issue = [&](int tile, int block) {
     const int stage = tile % S;
@@ -1109,7 +1109,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
   auto fetch_block = [&](int tile) -> int {  // block id of my key in `tile`, read only if used
     const int pos = key0 + tile * kKeyTile + my_key;
-    return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+    return tile < ntiles && pos < key1 ? table[decode_block_of<!kWarpOwn>(a, pos)] : -1;
   };
   auto issue = [&](int tile, int block) {
     const int stage = tile % STAGES;
@@ -1147,8 +1147,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   auto issue_own = [&](int tile, int block) {
     const int stage = tile % STAGES;
     bool ok;
-    const std::byte* src =
-        decode_key_src(a, key0 + tile * kKeyTile + lane, key1, block, a.entry_bytes, warp == 0, ok);
+    const std::byte* src = decode_key_src<false>(a, key0 + tile * kKeyTile + lane, key1, block,
+                                                 a.entry_bytes, warp == 0, ok);
     const uint32_t bits = __ballot_sync(0xffffffffu, ok);
     if (stage)
       ok_bits1 = bits;
@@ -2394,6 +2394,7 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.block_stride = p.cache.block_stride;
   a.num_blocks = p.cache.num_blocks;
   a.block_size = p.cache.block_size;
+  a.block_shift = decode_block_shift(p.cache.block_size);
   a.entry_bytes = int(CacheRef::cache_entry_bytes_hd(fmt));
   a.format = fmt;
   a.block_tables = b.block_tables;

@@ -263,7 +263,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
   auto fetch_block = [&](int tile) -> int {  // my key's block id in `tile`, read only if used
     const int pos = key0 + tile * kKeys + my_key;
-    return tile < ntiles && pos < key1 ? table[pos / a.block_size] : -1;
+    return tile < ntiles && pos < key1 ? table[decode_block_of(a, pos)] : -1;
   };
   auto issue = [&](int tile, int block) {
     const int stage = tile & 1;
@@ -293,7 +293,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   auto fetch_group = [&](int tile) -> int {
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
     return issuer && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
-               ? table[pos / a.block_size]
+               ? table[decode_block_of(a, pos)]
                : -1;
   };
   auto issue_tma = [&](int tile, int block) {  // the issuing warp only
@@ -322,8 +322,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
 #pragma unroll 1
       for (int pn = 0; pn < kPanels; ++pn)
-        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, pos % a.block_size, block,
-                    &full_bar[stage]);
+        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, decode_row_in_block(a, pos),
+                    block, &full_bar[stage]);
     }
   };
   auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
@@ -740,6 +740,7 @@ int decode_sm90_tma_keys(const DecodeParams& p) {
   a.block_stride = p.cache.block_stride;
   a.num_blocks = p.cache.num_blocks;
   a.block_size = p.cache.block_size;
+  a.block_shift = decode_block_shift(p.cache.block_size);
   CUtensorMap map{};
   return tma_keys_for(a, p.act, map);
 }
