@@ -475,6 +475,7 @@ Result run_prefill(const Case& c, Context& ctx) {
   KMLA_CHECK(cu_len.back() == t, "prefill case ", c.name, ": lengths sum to ", cu_len.back(),
              ", not ", t, " tokens");
   DeviceBuffer cu = to_device(cu_len, s);
+  DeviceBuffer counter = to_device(std::vector<int32_t>{0, 0}, s);  // the layer keeps one too
 
   const auto* kv_base = static_cast<const std::byte*>(kv.data());
   cuda::PrefillParams p;
@@ -493,6 +494,7 @@ Result run_prefill(const Case& c, Context& ctx) {
   p.num_seqs = int(lengths.size());
   p.max_q_len = *std::max_element(lengths.begin(), lengths.end());
   p.total_q = t;
+  p.work_counter = static_cast<int32_t*>(counter.data());
   p.causal = c.causal;
   p.softmax_scale = float(1.0 / std::sqrt(double(kQkHeadDim)));
   p.act = DType::bf16;

@@ -173,7 +173,7 @@ struct Plan::Data {
   // Device metadata image (offsets into the workspace == offsets into image).
   std::vector<std::byte> image;
   size_t off_tables = 0, off_seq = 0, off_qlen = 0, off_qstart = 0, off_ntok = 0, off_slots = 0,
-         off_cu_new = 0, off_cu_ctx = 0;
+         off_cu_new = 0, off_cu_ctx = 0, off_prefill_counter = 0;
   // Scratch regions.
   size_t off_x8 = 0, off_x8s = 0, off_front = 0, off_q = 0, off_krope = 0, off_kf32 = 0,
          off_qf32 = 0, off_mqa = 0, off_q8 = 0, off_latent = 0, off_dlse = 0, off_dwork = 0,
@@ -380,6 +380,9 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->max_ctx_q_len = std::max(d->max_ctx_q_len, md.query_lens[size_t(md.num_decodes + j)]);
   d->off_cu_new = L.take(cu_new.size() * 4);
   d->off_cu_ctx = L.take(cu_ctx.size() * 4);
+  // The wgmma prefill's work counter (PrefillParams::work_counter): zero in the image, and
+  // every prefill launch of the step (in stream order) leaves it zero.
+  d->off_prefill_counter = L.take(8);
   for (const ContextChunk& ch : md.context_chunks) {
     Plan::Data::Chunk c;
     c.start = ch.start;
@@ -713,6 +716,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
         pp.num_seqs = nseq;
         pp.max_q_len = max_q;
         pp.total_q = Tp;  // new tokens and context chunks both query prefill rows
+        pp.work_counter = static_cast<int32_t*>(at(d.off_prefill_counter));
         pp.causal = causal;
         pp.softmax_scale = scale;
         pp.act = act;

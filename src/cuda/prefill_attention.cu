@@ -555,6 +555,17 @@ bool env_switch(const char* name, bool fallback) {
   return env[0] == '1';
 }
 
+// An integer in [lo, hi] from the environment; unset or empty: `fallback`.
+int env_int_in(const char* name, int fallback, int lo, int hi) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  KMLA_CHECK(*end == '\0' && v >= lo && v <= hi, name, " must be an integer in [", lo, ", ", hi,
+             "], got '", env, "'");
+  return int(v);
+}
+
 // KMLA_PREFILL_SM90=0 (read once per process) keeps prefill_attention on the mma.sync kernel
 // on sm_90 too; unset, empty or 1: the wgmma kernel where it runs.
 bool sm90_allowed_by_env() {
@@ -568,7 +579,8 @@ bool sm90_allowed_by_env() {
 // rescales O at the end of each tile (round 1), KMLA_PREFILL_SM90_HEAD_GROUP=N (0..128) sets
 // the CTA order (0: round 1's heads one after the other), KMLA_PREFILL_SM90_TMA=0 loads every
 // tile with cp.async instead of TMA, KMLA_PREFILL_SM90_COMPACT=0 launches the 3-D grid for
-// batches of several sequences too.
+// batches of several sequences too, KMLA_PREFILL_SM90_CTAS=-1 gives the compact grid a CTA per
+// item (N > 0: N CTAs) instead of one per SM.
 // Unset: the Sm90Options defaults.
 const Sm90Options& sm90_options_from_env() {
   static const Sm90Options opt = [] {
@@ -578,14 +590,8 @@ const Sm90Options& sm90_options_from_env() {
     o.early_rescale = env_switch("KMLA_PREFILL_SM90_EARLY_RESCALE", o.early_rescale);
     o.tma = env_switch("KMLA_PREFILL_SM90_TMA", o.tma);
     o.compact = env_switch("KMLA_PREFILL_SM90_COMPACT", o.compact);
-    const char* env = std::getenv("KMLA_PREFILL_SM90_HEAD_GROUP");
-    if (env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      const long g = std::strtol(env, &end, 10);
-      KMLA_CHECK(*end == '\0' && g >= 0 && g <= 128,
-                 "KMLA_PREFILL_SM90_HEAD_GROUP must be an integer in [0, 128], got '", env, "'");
-      o.head_group = int(g);
-    }
+    o.head_group = env_int_in("KMLA_PREFILL_SM90_HEAD_GROUP", o.head_group, 0, 128);
+    o.ctas = env_int_in("KMLA_PREFILL_SM90_CTAS", o.ctas, -1, 1 << 20);
     return o;
   }();
   return opt;

@@ -26,7 +26,7 @@ bool prefill_uses_sm90(const PrefillParams& p);
 // defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_SM90_OVERLAP=0|1, KMLA_PREFILL_SM90_PINGPONG=0|1,
 // KMLA_PREFILL_SM90_EARLY_RESCALE=0|1, KMLA_PREFILL_SM90_HEAD_GROUP=N,
-// KMLA_PREFILL_SM90_TMA=0|1, KMLA_PREFILL_SM90_COMPACT=0|1.
+// KMLA_PREFILL_SM90_TMA=0|1, KMLA_PREFILL_SM90_COMPACT=0|1, KMLA_PREFILL_SM90_CTAS=N.
 struct Sm90Options {
   // The consumer schedule that runs the softmax of a tile under the previous tile's P.V;
   // false: each step waited for in order (simpler; kept for tests and A/B timing).
@@ -53,6 +53,9 @@ struct Sm90Options {
   // Measured on H200 (varlen16, 16 sequences of 1..8192 tokens x 16 heads): 501.5 -> 550.3
   // TFLOP/s; single-sequence cases unchanged within noise.
   bool compact = true;
+  // CTAs of the compact grid when PrefillParams::work_counter is set: 0 = one per SM, n > 0
+  // = at most n (tests: many items per CTA), -1 = one per item (as without the counter).
+  int ctas = 0;
 };
 
 // prefill_attention on the wgmma kernel regardless of the heuristics (same validation and

@@ -67,9 +67,14 @@ static_assert(kSmemAlloc <= 227 * 1024, "fits the sm_90 per-block opt-in");
 // consumers take them (232): 128 x 40 + 256 x 232 = 64512. A consumer thread holds O (64 fp32),
 // S (64 fp32) and P (32 packed pairs) plus softmax state and addresses: ~180. ptxas allocates
 // each region within its setmaxnreg limit (the producer's copy loop is kept rolled for that).
+// The producer's item loop (work counter, compact_item) spills 28-40 bytes at 40: local
+// memory touched a few times per item. 56 / 224 has no spill but ran single sequences 1-3 %
+// slower (H200, 2026-12-04: 8k x 64 heads 2154-2206 against 2101 us).
+// The increase only succeeds within what the CTA was launched with (168 x 384 = 64512):
+// asking for more would leave the consumers waiting for registers nobody frees.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168);
 
 // TMA descriptors of the four inputs, each a 3-D view [rows][heads][width] of a 16-bit
 // operand (dims innermost first: width, heads, rows) with a box of 64 x 1 x 128 = one
@@ -251,6 +256,26 @@ struct CompactItem {
   int q_begin, n, k_begin, m;
 };
 
+// The 3-D grid's item for this CTA (see the grid order above the kernel): blockIdx = (rank,
+// head, sequence); block -1 for the ranks a sequence shorter than the longest lacks.
+__device__ __forceinline__ CompactItem grid_item(const PrefillParams& p, int head_group) {
+  // head_group 0 (blocks fastest, head after head) is the group order with G = 1.
+  const int nbx = int(gridDim.x);
+  const int2 hb =
+      group_order(int(blockIdx.y) * nbx + int(blockIdx.x), nbx, max(head_group, 1), p.heads);
+  const int seq = int(blockIdx.z);
+  CompactItem it;
+  it.head = hb.x;
+  it.q_begin = p.cu_q[seq];
+  it.n = p.cu_q[seq + 1] - it.q_begin;
+  it.k_begin = p.cu_k[seq];
+  it.m = p.cu_k[seq + 1] - it.k_begin;
+  // the grid has blocks for the longest sequence: the first nbx - num_blocks ranks of this
+  // one have none
+  it.block = hb.y - (nbx - (it.n + kBlockM - 1) / kBlockM);
+  return it;
+}
+
 // Warp-collective (all 32 lanes of one warp, every shuffle reached by all of them: no
 // collective sits under a lane-dependent branch): item `idx` of the order above. Lane l reads
 // the lengths of sequences l, l + 32, ...; an inclusive warp scan of each sequence's item
@@ -313,8 +338,14 @@ __device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_gr
 //   cover only ~8 heads (~16 CTAs per head, roughly in step along the keys), so each K/V
 //   tile is read from HBM once per ~16 CTAs: at 8k x 64 heads ~0.7 GB over ~2.5 ms.
 //
-// Warpgroup 0 (producer, 40 registers): loads Q once (all 128 threads; its latency overlaps
-// that of tile 0, which is issued before Q is waited for), then K and V tiles of
+// With PrefillParams::work_counter the compact grid has one CTA per SM instead, each taking
+// items in turn (item blockIdx.x, then one per ticket drawn from the counter), so that the
+// next item's Q and first tiles load under the current item's last tiles and epilogue:
+// q_empty (every consumer thread, after its warpgroup's last S) releases Q and the item
+// slot, and the stages' barrier phases run on from item to item.
+//
+// Warpgroup 0 (producer, 40 registers): loads each item's Q (all 128 threads; its latency
+// overlaps that of tile 0, which is issued before Q is waited for), then K and V tiles of
 // 128 keys into a two-stage ring with cp.async: warps 0-1 the K tiles, warps 2-3 the V tiles.
 // Per tile, each half waits until both consumers are done with the stage's K (mbarrier
 // `k_empty`: their S of the tile two back) or V (`v_empty`: their P.V two tiles back), copies
@@ -344,43 +375,21 @@ template <class T, int kSchedule>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_attention_sm90_kernel(const PrefillParams p, const __grid_constant__ Sm90Maps maps,
                                   float scale_log2, int head_group, bool pingpong, bool tma,
-                                  bool compact) {
+                                  bool compact, int compact_items) {
 #if KMLA_SM90_DEVICE
   constexpr bool kOverlap = kSchedule == 1 || kSchedule == 2;
   constexpr bool early_rescale = kSchedule == 2;
   static_assert(kSchedule >= 0 && kSchedule <= 2);
-  __shared__ __align__(8) uint64_t q_full, k_full[kStages], v_full[kStages];
+  __shared__ __align__(8) uint64_t q_full, q_empty, k_full[kStages], v_full[kStages];
   __shared__ __align__(8) uint64_t k_empty[kStages], v_empty[kStages];
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_smem = smem_base;
   auto stage_smem = [&](int s) { return smem_base + kQBytes + s * kStageBytes; };
 
-  // Which (head, query block, sequence) this CTA takes: see the grid order above the kernel
-  // (3-D grid) or above compact_item (1-D grid).
-  __shared__ CompactItem item_smem;
-  CompactItem it;
-  if (!compact) {
-    // head_group 0 (blocks fastest, head after head) is the group order with G = 1.
-    const int nbx = int(gridDim.x);
-    const int2 hb = group_order(int(blockIdx.y) * nbx + int(blockIdx.x), nbx,
-                                max(head_group, 1), p.heads);
-    const int seq = blockIdx.z;
-    it.head = hb.x;
-    it.q_begin = p.cu_q[seq];
-    it.n = p.cu_q[seq + 1] - it.q_begin;
-    it.k_begin = p.cu_k[seq];
-    it.m = p.cu_k[seq + 1] - it.k_begin;
-    // the grid has blocks for the longest sequence: the first nbx - num_blocks ranks of
-    // this one have none
-    it.block = hb.y - (nbx - (it.n + kBlockM - 1) / kBlockM);
-    if (it.block < 0) return;  // past this sequence's queries (uniform: the whole CTA leaves)
-  } else if (threadIdx.x < 32) {
-    // Warp 0 finds the item and hands it to the others through shared memory (published
-    // by the __syncthreads below).
-    const CompactItem found = compact_item(p, int(blockIdx.x), head_group);
-    if (threadIdx.x == 0) item_smem = found;
-  }
+  // The 3-D grid's CTAs past their sequence's query blocks leave at once (uniform: the
+  // whole CTA); the compact grid's items are found round by round by the producer.
+  if (!compact && grid_item(p, head_group).block < 0) return;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: producer
@@ -390,6 +399,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // cp.async producer: every copying thread arrives; TMA producer: one arrival per load
     // (with the bytes expected), or one after a named barrier for a partial tile.
     mbar_init(&q_full, tma ? 1 : 128);
+    // Every consumer thread arrives once it has read the item and its warpgroup's S products
+    // (the wgmma reads of Q) have completed.
+    mbar_init(&q_empty, 256);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], tma ? 1 : 64);  // the K half of the producer
       mbar_init(&v_full[s], tma ? 1 : 64);  // the V half
@@ -398,16 +410,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  if (compact) {
-    it = item_smem;
-    if (it.block < 0) return;  // past the batch's items (uniform: the whole CTA leaves)
-  }
-  const int head = it.head, block = it.block, q_begin = it.q_begin, n = it.n,
-            k_begin = it.k_begin, m = it.m;
-  const int q0 = block * kBlockM;
   const bool causal = p.causal;
-  const int last_row = min(q0 + kBlockM, n) - 1;
-  const int num_tiles = (key_limit(last_row, n, m, causal) + kBlockN - 1) / kBlockN;
+  // The item of round r (compact grid: the index `idx` in compact_item's order), and the
+  // tiles it loads (0 for a block whose rows see no key). The producer finds it and passes it
+  // to the consumers with Q (item_smem, below).
+  auto round_item = [&](int r, int idx) {
+    const CompactItem none{-1, 0, 0, 0, 0, 0};
+    if (!compact) return r == 0 ? grid_item(p, head_group) : none;
+    return idx < compact_items ? compact_item(p, idx, head_group) : none;
+  };
+  auto tiles_of_item = [&](const CompactItem& it) {
+    const int last_row = min(it.block * kBlockM + kBlockM, it.n) - 1;
+    return (key_limit(last_row, it.n, it.m, causal) + kBlockN - 1) / kBlockN;
+  };
+  __shared__ CompactItem item_smem;
+  // Compact grid with a work counter (G CTAs, fewer than the items): CTA c takes item c,
+  // then G + the tickets it draws from p.work_counter[0], one per round, drawn a round ahead
+  // by producer thread 0 and passed to the other producer threads in next_idx[r & 1].
+  __shared__ int next_idx[2];
 
   // TMA producer (Sm90Options::tma). A full box (128 rows inside the sequence) is one TMA
   // per panel, issued by one thread that also arrives with the byte count: Q 3 panels
@@ -416,8 +436,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // sequence would be the next sequence's (or NaN padding), and 0 x NaN in V poisons P.V.
   // That is at most the last key tile and the last query block of each sequence. The map's
   // row extent is therefore never what bounds a load, and the host sets it to 2^31.
-  auto produce_tma = [&](int q_valid, int q_row, int k_row0, int keys, int tiles, int h,
-                         const T* q_rows, const T* nope, const T* rope, const T* v) {
+  // Row `row` of head `h` of an operand (computed where a copy needs it: the producer has
+  // 40 registers).
+  auto rows_of = [&](const Operand& o, int64_t row, int h) {
+    return static_cast<const T*>(o.ptr) + row * o.row_stride + int64_t(h) * o.head_stride;
+  };
+  // The item's Q block and its `tiles` key tiles; g0: tiles this CTA loaded before.
+  auto produce_tma = [&](const CompactItem& it, int tiles, int g0) {
+    const int h = it.head, q_row = it.q_begin + it.block * kBlockM;
+    const int q_valid = it.n - it.block * kBlockM, k_row0 = it.k_begin, keys = it.m;
     const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
     if (q_valid >= kBlockM) {
       if (wtid == 0) {
@@ -431,8 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       for (int pn = 0; pn < 3; ++pn)
-        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride,
-                                 q_valid, wtid);
+        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, rows_of(p.q, q_row, h) + pn * 64,
+                                 p.q.row_stride, q_valid, wtid);
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();
@@ -443,12 +470,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ctid = wtid & 63;
 #pragma unroll 1
     for (int j = 0; j < tiles; ++j) {
-      const int s = j % kStages;
+      const int gj = g0 + j;  // tiles this CTA loaded before
+      const int s = gj % kStages;
       const int key0 = j * kBlockN;
       const int rows = keys - key0;  // >= 1
       const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
-      if (j >= kStages)  // the consumers' release of tile j - kStages
-        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
+      if (gj >= kStages)  // the consumers' release of tile gj - kStages
+        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((gj / kStages - 1) & 1));
       if (rows >= kBlockN) {
         if (ctid == 0) {
           if (loads_k) {
@@ -464,19 +492,21 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else if (loads_k) {
+        const T* nope = rows_of(p.k_nope, k_row0 + key0, h);
         const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
-        copy_panel<kBlockN, 64>(k_smem, nope + key0 * ks, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + key0 * ks + 64, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rope + key0 * rs, rs, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem, nope, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + 64, ks, rows, ctid);
+        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rows_of(p.k_rope, k_row0 + key0, h), rs,
+                                rows, ctid);
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async();
         producer_bar_sync<4, 64>();
         if (ctid == 0) mbar_arrive(&k_full[s]);
       } else {
-        const int64_t vs = p.v.row_stride;
-        copy_panel<kBlockN, 64>(v_smem, v + key0 * vs, vs, rows, ctid);
-        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + key0 * vs + 64, vs, rows, ctid);
+        const T* v = rows_of(p.v, k_row0 + key0, h);
+        copy_panel<kBlockN, 64>(v_smem, v, p.v.row_stride, rows, ctid);
+        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + 64, p.v.row_stride, rows, ctid);
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async();
@@ -489,59 +519,93 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (num_tiles == 0) return;
-    const T* q_rows = static_cast<const T*>(p.q.ptr) + int64_t(q_begin + q0) * p.q.row_stride +
-                      int64_t(head) * p.q.head_stride;
-    const T* nope = static_cast<const T*>(p.k_nope.ptr) + int64_t(k_begin) * p.k_nope.row_stride +
-                    int64_t(head) * p.k_nope.head_stride;
-    const T* rope = static_cast<const T*>(p.k_rope.ptr) + int64_t(k_begin) * p.k_rope.row_stride +
-                    int64_t(head) * p.k_rope.head_stride;
-    const T* v = static_cast<const T*>(p.v.ptr) + int64_t(k_begin) * p.v.row_stride +
-                 int64_t(head) * p.v.head_stride;
-    if (tma) {
-      produce_tma(n - q0, q_begin + q0, k_begin, m, num_tiles, head, q_rows, nope, rope, v);
-      return;
-    }
-    // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
-    for (int pn = 0; pn < 3; ++pn)
-      copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, q_rows + pn * 64, p.q.row_stride, n - q0,
-                               wtid);
-    cp_async_commit();  // Q's group; waited for after tile 0's copies are issued (below)
-
-    // Warps 0-1 load K tiles, warps 2-3 V tiles, each at its own pace: K of tile j only
-    // waits for the consumers' S of tile j - 2, V for their P.V of tile j - 2.
     const bool loads_k = wtid < 64;
     const int ctid = wtid & 63;
-    for (int j = 0; j < num_tiles; ++j) {
-      const int s = j % kStages;
-      const int key0 = j * kBlockN;
-      const int rows = m - key0;  // >= 1; rows past it are zero-filled
-      const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
-      if (j >= kStages)  // the consumers' release of tile j - kStages
-        mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((j / kStages - 1) & 1));
-      if (loads_k) {
-        const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
-        copy_panel<kBlockN, 64>(k_smem, nope + key0 * ks, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + key0 * ks + 64, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rope + key0 * rs, rs, rows, ctid);
-      } else {
-        const int64_t vs = p.v.row_stride;
-        copy_panel<kBlockN, 64>(v_smem, v + key0 * vs, vs, rows, ctid);
-        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + key0 * vs + 64, vs, rows, ctid);
+    int done = 0;  // tiles loaded for the previous items (their stages and phases run on)
+    int32_t* const counter = compact ? p.work_counter : nullptr;
+#pragma unroll 1
+    for (int r = 0;; ++r) {
+      int idx = int(blockIdx.x);
+      if (r > 0) {
+        if (counter == nullptr) {
+          idx = compact_items;  // one item per CTA
+        } else {
+          producer_bar_sync<3, 128>();  // thread 0's ticket of the previous round is in
+          idx = next_idx[r & 1];
+        }
       }
-      cp_async_commit();
-      if (j == 0) {
-        // Q and tile 0 load at the same time (one latency instead of two before the first
-        // MMA of every CTA): Q's group is the older one, so at most one pending means Q is in.
-        cp_async_wait<1>();
+      if (counter != nullptr && wtid == 0)
+        next_idx[(r + 1) & 1] = idx < compact_items ? int(gridDim.x) + atomicAdd(counter, 1) : idx;
+      // Each warp finds the item itself (a few dependent loads, under the consumers' work on
+      // the previous item), then waits until the consumers are done with the previous Q.
+      const CompactItem it = round_item(r, idx);
+      if (r > 0) mbar_wait(&q_empty, uint32_t((r - 1) & 1));
+      if (wtid == 0) item_smem = it;  // published by the q_full arrival below
+      const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
+      if (num_tiles == 0) {
+        // No more items, or a block whose rows see no key: no Q to load, only the item.
+        if (!tma || wtid == 0) mbar_arrive(&q_full);
+        if (it.block >= 0) continue;
+        // The launch's last CTA to get here (every CTA has drawn its last ticket) leaves the
+        // counter at zero for the next launch.
+        if (counter != nullptr && wtid == 0 &&
+            (__threadfence(), atomicAdd(counter + 1, 1)) == int(gridDim.x) - 1) {
+          counter[0] = 0;
+          counter[1] = 0;
+        }
+        return;
+      }
+      if (tma) {
+        produce_tma(it, num_tiles, done);
+        done += num_tiles;
+        continue;
+      }
+      const int head = it.head, q0 = it.block * kBlockM, n = it.n, m = it.m;
+      // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
+      for (int pn = 0; pn < 3; ++pn)
+        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes,
+                                 rows_of(p.q, it.q_begin + q0, head) + pn * 64, p.q.row_stride,
+                                 n - q0, wtid);
+      cp_async_commit();  // Q's group; waited for after tile 0's copies are issued (below)
+
+      // Warps 0-1 load K tiles, warps 2-3 V tiles, each at its own pace: K of tile j only
+      // waits for the consumers' S of tile j - 2, V for their P.V of tile j - 2.
+      for (int j = 0; j < num_tiles; ++j) {
+        const int gj = done + j;
+        const int s = gj % kStages;
+        const int key0 = j * kBlockN;
+        const int rows = m - key0;  // >= 1; rows past it are zero-filled
+        const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
+        if (gj >= kStages)  // the consumers' release of tile gj - kStages
+          mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((gj / kStages - 1) & 1));
+        const int64_t key_row = it.k_begin + key0;
+        if (loads_k) {
+          const T* nope = rows_of(p.k_nope, key_row, head);
+          const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
+          copy_panel<kBlockN, 64>(k_smem, nope, ks, rows, ctid);
+          copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + 64, ks, rows, ctid);
+          copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rows_of(p.k_rope, key_row, head), rs,
+                                  rows, ctid);
+        } else {
+          const T* v = rows_of(p.v, key_row, head);
+          copy_panel<kBlockN, 64>(v_smem, v, p.v.row_stride, rows, ctid);
+          copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + 64, p.v.row_stride, rows, ctid);
+        }
+        cp_async_commit();
+        if (j == 0) {
+          // Q and tile 0 load at the same time (one latency instead of two before the first
+          // MMA of every item): Q's group is the older one, so at most one pending means Q is
+          // in.
+          cp_async_wait<1>();
+          fence_proxy_async();
+          mbar_arrive(&q_full);
+        }
+        cp_async_wait<0>();  // this thread's copies have landed
         fence_proxy_async();
-        mbar_arrive(&q_full);
+        mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
       }
-      cp_async_wait<0>();  // this thread's copies have landed
-      fence_proxy_async();
-      mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
+      done += num_tiles;
     }
-    return;
   }
 
   // ---- consumers ----
@@ -554,259 +618,280 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
-  const bool wg_active = wg_first < n;
-  const int wg_min_limit = key_limit(wg_first, n, m, causal);
-  // Tiles with a key visible to some row of consumer c: a prefix [0, tiles) of the CTA's
-  // tiles (causal limits grow with the row).
-  auto tiles_of = [&](int c) {
-    const int first = q0 + 64 * c;
-    return first < n ? (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN
-                     : 0;
-  };
-  const int wg_tiles = tiles_of(cw);
-  const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
-  const int row_limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
-  const uint32_t q_wg = q_smem + cw * 64 * kPanelRowBytes;
+  int done = 0;  // tiles consumed for the previous items (the producer's count)
+#pragma unroll 1
+  for (int r = 0;; ++r) {
+    mbar_wait(&q_full, uint32_t(r & 1));  // Q and the item of round r (Q: when it has keys)
+    const CompactItem it = item_smem;
+    if (it.block < 0) return;  // no more items
+    const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
+    const int q0 = it.block * kBlockM;
+    const int num_tiles = tiles_of_item(it);
+    const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
+    const bool wg_active = wg_first < n;
+    const int wg_min_limit = key_limit(wg_first, n, m, causal);
+    // Tiles with a key visible to some row of consumer c: a prefix [0, tiles) of the CTA's
+    // tiles (causal limits grow with the row).
+    auto tiles_of = [&](int c) {
+      const int first = q0 + 64 * c;
+      return first < n ? (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN
+                       : 0;
+    };
+    const int wg_tiles = tiles_of(cw);
+    const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
+    const int row_limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
+    const uint32_t q_wg = q_smem + cw * 64 * kPanelRowBytes;
 
-  float o[64];
+    float o[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
-  float row_sum[2] = {0.f, 0.f};              // this thread's share of l
-  float sc[64];                               // S, then P in fp32
-  uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
-  float correction[2];
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
+    float row_sum[2] = {0.f, 0.f};              // this thread's share of l
+    float sc[64];                               // S, then P in fp32
+    uint32_t pa[8][4];                          // P rounded to T: the A operand of P.V
+    float correction[2];
 
-  // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
-  auto issue_s = [&](int j) {
-    const uint32_t k_smem = stage_smem(j % kStages);
+    // Tile j of this item: its stage and the phase of that stage's barriers.
+    auto stage = [&](int j) { return (done + j) % kStages; };
+    auto parity = [&](int j) { return uint32_t(((done + j) / kStages) & 1); };
+    // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
+    auto issue_s = [&](int j) {
+      const uint32_t k_smem = stage_smem(stage(j));
 #pragma unroll
-    for (int kk = 0; kk < 12; ++kk) {
-      const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
-      wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
-    }
-    wgmma_commit();
-  };
-  // O += P V of tile j: 8 k-steps of 16 keys, each two whole 8-key swizzle groups (2048 B).
-  auto issue_pv = [&](int j) {
-    const uint32_t v_smem = stage_smem(j % kStages) + kKBytes;
+      for (int kk = 0; kk < 12; ++kk) {
+        const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
+        wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+      }
+      wgmma_commit();
+    };
+    // O += P V of tile j: 8 k-steps of 16 keys, each two whole 8-key swizzle groups (2048 B).
+    auto issue_pv = [&](int j) {
+      const uint32_t v_smem = stage_smem(stage(j)) + kKBytes;
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_rs<T>(o, pa[kk], desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
-    wgmma_commit();
-  };
-  // Mask and online softmax of tile j in place on sc (base 2, see the mma.sync kernel);
-  // sets correction[] and returns whether any row of the warp moved its max (O needs it).
-  auto softmax = [&](int j) {
-    const int key0 = j * kBlockN;
-    if (key0 + kBlockN > wg_min_limit) {  // some key of this tile is hidden from some row
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma_rs<T>(o, pa[kk], desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
+      wgmma_commit();
+    };
+    // Mask and online softmax of tile j in place on sc (base 2, see the mma.sync kernel);
+    // sets correction[] and returns whether any row of the warp moved its max (O needs it).
+    auto softmax = [&](int j) {
+      const int key0 = j * kBlockN;
+      if (key0 + kBlockN > wg_min_limit) {  // some key of this tile is hidden from some row
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < 16; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + 8 * i + 2 * t + (e & 1);
-          if (key >= row_limit[e >> 1]) sc[4 * i + e] = -INFINITY;
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + 8 * i + 2 * t + (e & 1);
+            if (key >= row_limit[e >> 1]) sc[4 * i + e] = -INFINITY;
+          }
         }
       }
-    }
-    bool max_moved = false;
+      bool max_moved = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[h];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row with no visible key yet keeps max -inf; subtracting 0 keeps p = 0, not NaN.
-      const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
-      max_moved |= mx != row_max[h];
-      row_max[h] = mx;
-      float sum = 0.f;
+        for (int i = 0; i < 16; ++i)
+          mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row with no visible key yet keeps max -inf; subtracting 0 keeps p = 0, not NaN.
+        const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
+        max_moved |= mx != row_max[h];
+        row_max[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, -mx_scaled));
+          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, -mx_scaled));
+          sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
+        }
+        row_sum[h] = row_sum[h] * correction[h] + sum;
+      }
+      return __any_sync(0xffffffffu, max_moved);
+    };
+    auto rescale_o = [&] {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, -mx_scaled));
-        sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, -mx_scaled));
-        sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
+        o[4 * i + 0] *= correction[0];
+        o[4 * i + 1] *= correction[0];
+        o[4 * i + 2] *= correction[1];
+        o[4 * i + 3] *= correction[1];
       }
-      row_sum[h] = row_sum[h] * correction[h] + sum;
-    }
-    return __any_sync(0xffffffffu, max_moved);
-  };
-  auto rescale_o = [&] {
+    };
+    // P as the register A operand: k-step kk covers keys 16kk..16kk+15 = column blocks 2kk and
+    // 2kk + 1 of S: {row g keys 2t.., row g+8 keys 2t.., row g keys 8+2t.., row g+8 keys 8+2t..}.
+    auto pack_p = [&] {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      o[4 * i + 0] *= correction[0];
-      o[4 * i + 1] *= correction[0];
-      o[4 * i + 2] *= correction[1];
-      o[4 * i + 3] *= correction[1];
-    }
-  };
-  // P as the register A operand: k-step kk covers keys 16kk..16kk+15 = column blocks 2kk and
-  // 2kk + 1 of S: {row g keys 2t.., row g+8 keys 2t.., row g keys 8+2t.., row g+8 keys 8+2t..}.
-  auto pack_p = [&] {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
-    }
-  };
-  auto parity = [](int j) { return uint32_t((j / kStages) & 1); };
+      for (int kk = 0; kk < 8; ++kk) {
+        pa[kk][0] = pack2<T>(sc[8 * kk + 0], sc[8 * kk + 1]);
+        pa[kk][1] = pack2<T>(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pa[kk][2] = pack2<T>(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pa[kk][3] = pack2<T>(sc[8 * kk + 6], sc[8 * kk + 7]);
+      }
+    };
 
-  // Ping-pong (overlapped schedule only): the two consumers take turns issuing their MMAs,
-  // one "slot" at a time: S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1), so T + 1
-  // slots for T tiles. Consumer 0 issues slot k after consumer 1 issued slot k - 1, and
-  // consumer 1 issues slot k after consumer 0 issued slot k, so while one runs its softmax
-  // the other's GEMMs are queued on the tensor cores, instead of both warpgroups drifting into
-  // step and leaving the tensor cores idle during a shared softmax phase. Only the first
-  // pp_slots = min(slots of 0, slots of 1) slots take turns (both sides compute the same
-  // number): each bar.sync then has exactly one matching bar.arrive: consumer 1 arrives on
-  // barrier 1 once up front and after each of its slots but the last, consumer 0 on barrier 2
-  // after each of its slots. No cycle with the mbarriers: a slot waits for loads that need
-  // the other consumer's releases of tiles two back, and a release never waits for a turn.
-  int pp_slots = 0;
-  if (kOverlap && pingpong) {
-    const int t0 = tiles_of(0), t1 = tiles_of(1);
-    pp_slots = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
-  }
-  // Consumer c waits on barrier 1 + c and releases barrier 2 - c.
-  auto turn_begin = [&](int slot) {
-    if (slot < pp_slots) {
-      if (cw == 0)
-        named_bar_sync<1>();
-      else
-        named_bar_sync<2>();
+    // Ping-pong (overlapped schedule only): the two consumers take turns issuing their MMAs,
+    // one "slot" at a time: S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1), so T + 1
+    // slots for T tiles. Consumer 0 issues slot k after consumer 1 issued slot k - 1, and
+    // consumer 1 issues slot k after consumer 0 issued slot k, so while one runs its softmax
+    // the other's GEMMs are queued on the tensor cores, instead of both warpgroups drifting into
+    // step and leaving the tensor cores idle during a shared softmax phase. Only the first
+    // pp_slots = min(slots of 0, slots of 1) slots take turns (both sides compute the same
+    // number): each bar.sync then has exactly one matching bar.arrive: consumer 1 arrives on
+    // barrier 1 once up front and after each of its slots but the last, consumer 0 on barrier 2
+    // after each of its slots. No cycle with the mbarriers: a slot waits for loads that need
+    // the other consumer's releases of tiles two back, and a release never waits for a turn.
+    int pp_slots = 0;
+    if (kOverlap && pingpong) {
+      const int t0 = tiles_of(0), t1 = tiles_of(1);
+      pp_slots = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
     }
-  };
-  auto turn_end = [&](int slot) {
-    if (slot < pp_slots) {
-      if (cw == 0)
-        named_bar_arrive<2>();
-      else if (slot < pp_slots - 1)
-        named_bar_arrive<1>();
-    }
-  };
-  if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
+    // Consumer c waits on barrier 1 + c and releases barrier 2 - c.
+    auto turn_begin = [&](int slot) {
+      if (slot < pp_slots) {
+        if (cw == 0)
+          named_bar_sync<1>();
+        else
+          named_bar_sync<2>();
+      }
+    };
+    auto turn_end = [&](int slot) {
+      if (slot < pp_slots) {
+        if (cw == 0)
+          named_bar_arrive<2>();
+        else if (slot < pp_slots - 1)
+          named_bar_arrive<1>();
+      }
+    };
+    if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
 
-  if (wg_tiles > 0) mbar_wait(&q_full, 0);
-  if constexpr (!kOverlap) {
-    // Tile by tile: S, softmax, P.V, each waited for before the next.
-    for (int j = 0; j < wg_tiles; ++j) {
-      const int st = j % kStages;
-      mbar_wait(&k_full[st], parity(j));
+    // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
+    // loads the next item's Q while this one's last P.V and epilogue run.
+    if (wg_tiles == 0) mbar_arrive(&q_empty);
+    if constexpr (!kOverlap) {
+      // Tile by tile: S, softmax, P.V, each waited for before the next.
+      for (int j = 0; j < wg_tiles; ++j) {
+        const int st = stage(j);
+        mbar_wait(&k_full[st], parity(j));
+        wgmma_fence();
+        issue_s(j);
+        wgmma_wait<0>();
+        fence_regs(sc);
+        release(&k_empty[st]);
+        if (j == wg_tiles - 1) mbar_arrive(&q_empty);
+        if (softmax(j)) rescale_o();
+        pack_p();
+        mbar_wait(&v_full[st], parity(j));
+        fence_regs(o);
+        wgmma_fence();
+        issue_pv(j);
+        wgmma_wait<0>();
+        fence_regs(o);
+        release(&v_empty[st]);
+      }
+    } else if (wg_tiles > 0) {
+      // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
+      // while P.V of tile j - 1 is still on the tensor cores. The rescale of O by tile j's
+      // correction waits for that P.V (O then holds tiles < j at tile j - 1's max): at the end
+      // of the iteration, or with early_rescale in the next one, between the issue of S(j + 1)
+      // and of P.V(j), where the 64 multiplies run under S(j + 1) instead of delaying the next
+      // issue (FA3 does the same for QK head dims above 128, where S is long enough to hide
+      // them). `pending`: O still owes the correction of the last softmax (warp-uniform).
+      bool pending = false;
+      mbar_wait(&k_full[stage(0)], parity(0));
+      turn_begin(0);
       wgmma_fence();
-      issue_s(j);
+      issue_s(0);
+      turn_end(0);
       wgmma_wait<0>();
       fence_regs(sc);
-      release(&k_empty[st]);
-      if (softmax(j)) rescale_o();
+      release(&k_empty[stage(0)]);
+      if (wg_tiles == 1) mbar_arrive(&q_empty);
+      softmax(0);  // O is zero: no rescale
       pack_p();
-      mbar_wait(&v_full[st], parity(j));
+      for (int j = 1; j < wg_tiles; ++j) {
+        const int st = stage(j), prev = stage(j - 1);
+        mbar_wait(&k_full[st], parity(j));
+        mbar_wait(&v_full[prev], parity(j - 1));
+        fence_regs(o);
+        turn_begin(j);
+        wgmma_fence();
+        issue_s(j);
+        if constexpr (early_rescale) {
+          fence_regs(o);  // volatile asm order: the multiplies come after the S issue
+          if (pending) rescale_o();
+          fence_regs(o);
+          wgmma_fence();  // O was written by ordinary instructions since the last fence
+        }
+        issue_pv(j - 1);
+        turn_end(j);
+        wgmma_wait<1>();  // groups complete in order: S of tile j is done
+        fence_regs(sc);
+        release(&k_empty[st]);
+        if (j == wg_tiles - 1) mbar_arrive(&q_empty);
+        const bool moved = softmax(j);
+        wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
+        fence_regs(o);
+        release(&v_empty[prev]);
+        if constexpr (early_rescale)
+          pending = moved;
+        else if (moved)
+          rescale_o();
+        pack_p();
+      }
+      const int last = wg_tiles - 1;
+      mbar_wait(&v_full[stage(last)], parity(last));
+      fence_regs(o);
+      turn_begin(wg_tiles);
+      if (pending) rescale_o();
       fence_regs(o);
       wgmma_fence();
-      issue_pv(j);
+      issue_pv(last);
+      turn_end(wg_tiles);
       wgmma_wait<0>();
       fence_regs(o);
+      release(&v_empty[stage(last)]);
+    }
+    // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
+    // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
+    for (int j = wg_tiles; j < num_tiles; ++j) {
+      const int st = stage(j);
+      mbar_wait(&k_full[st], parity(j));
+      release(&k_empty[st]);
+      mbar_wait(&v_full[st], parity(j));
       release(&v_empty[st]);
     }
-  } else if (wg_tiles > 0) {
-    // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
-    // while P.V of tile j - 1 is still on the tensor cores. The rescale of O by tile j's
-    // correction waits for that P.V (O then holds tiles < j at tile j - 1's max): at the end
-    // of the iteration, or with early_rescale in the next one, between the issue of S(j + 1)
-    // and of P.V(j), where the 64 multiplies run under S(j + 1) instead of delaying the next
-    // issue (FA3 does the same for QK head dims above 128, where S is long enough to hide
-    // them). `pending`: O still owes the correction of the last softmax (warp-uniform).
-    bool pending = false;
-    mbar_wait(&k_full[0], 0);
-    turn_begin(0);
-    wgmma_fence();
-    issue_s(0);
-    turn_end(0);
-    wgmma_wait<0>();
-    fence_regs(sc);
-    release(&k_empty[0]);
-    softmax(0);  // O is zero: no rescale
-    pack_p();
-    for (int j = 1; j < wg_tiles; ++j) {
-      const int st = j % kStages, prev = (j - 1) % kStages;
-      mbar_wait(&k_full[st], parity(j));
-      mbar_wait(&v_full[prev], parity(j - 1));
-      fence_regs(o);
-      turn_begin(j);
-      wgmma_fence();
-      issue_s(j);
-      if constexpr (early_rescale) {
-        fence_regs(o);  // volatile asm order: the multiplies come after the S issue
-        if (pending) rescale_o();
-        fence_regs(o);
-        wgmma_fence();  // O was written by ordinary instructions since the last fence
-      }
-      issue_pv(j - 1);
-      turn_end(j);
-      wgmma_wait<1>();  // groups complete in order: S of tile j is done
-      fence_regs(sc);
-      release(&k_empty[st]);
-      const bool moved = softmax(j);
-      wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
-      fence_regs(o);
-      release(&v_empty[prev]);
-      if constexpr (early_rescale)
-        pending = moved;
-      else if (moved)
-        rescale_o();
-      pack_p();
-    }
-    const int last = wg_tiles - 1;
-    mbar_wait(&v_full[last % kStages], parity(last));
-    fence_regs(o);
-    turn_begin(wg_tiles);
-    if (pending) rescale_o();
-    fence_regs(o);
-    wgmma_fence();
-    issue_pv(last);
-    turn_end(wg_tiles);
-    wgmma_wait<0>();
-    fence_regs(o);
-    release(&v_empty[last % kStages]);
-  }
-  // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
-  // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
-  for (int j = wg_tiles; j < num_tiles; ++j) {
-    const int st = j % kStages;
-    mbar_wait(&k_full[st], parity(j));
-    release(&k_empty[st]);
-    mbar_wait(&v_full[st], parity(j));
-    release(&v_empty[st]);
-  }
 
-  // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
-  if (!wg_active) return;
+    // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
+    if (wg_active) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    float l = row_sum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (row >= n) continue;
-    const bool any = l > 0.f;
-    const float inv = any ? 1.f / l : 0.f;
-    const int64_t grow = int64_t(q_begin) + row;
-    T* out = static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        float l = row_sum[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (row >= n) continue;
+        const bool any = l > 0.f;
+        const float inv = any ? 1.f / l : 0.f;
+        const int64_t grow = int64_t(q_begin) + row;
+        T* out =
+            static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
-          pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-    if (t == 0)
-      p.lse[grow * p.lse_row_stride + head] =
-          any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        for (int i = 0; i < 16; ++i)
+          *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
+              pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+        if (t == 0)
+          p.lse[grow * p.lse_row_stride + head] =
+              any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
+      }
+    }
+    done += num_tiles;
   }
 #else
   (void)p, (void)maps;
-  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)compact;
+  (void)scale_log2, (void)head_group, (void)pingpong, (void)tma, (void)compact, (void)compact_items;
 #endif
 }
 
@@ -990,6 +1075,21 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
   // One sequence keeps the 3-D grid: the same CTAs in the same order, without the compact
   // grid's search in front of every CTA.
   const bool compact = opt.compact && p.num_seqs > 1;
+  // Compact grid: with a work counter one CTA per SM (the kernel's shared memory allows one)
+  // taking items from it, or opt.ctas of them; without one (or opt.ctas < 0) one per item.
+  int64_t compact_items = 0, compact_ctas = 0;
+  if (compact) {
+    compact_items = prefill_sm90_compact_items(p);
+    int ctas = opt.ctas;
+    if (ctas == 0) {
+      int device = 0;
+      KMLA_CUDA_CHECK(cudaGetDevice(&device));
+      KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, device));
+    }
+    compact_ctas = ctas < 0 || p.work_counter == nullptr ? compact_items
+                                                         : std::min<int64_t>(compact_items, ctas);
+    if (compact_ctas == 0) return;  // no query block in the batch
+  }
   Sm90Maps maps;
   std::memset(&maps, 0, sizeof(maps));
   if (tma) {
@@ -1005,11 +1105,11 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
                                        : prefill_attention_sm90_kernel<T, 1>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const dim3 grid = compact ? dim3(unsigned(prefill_sm90_compact_items(p)))
-                              : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)),
-                                     unsigned(p.heads), unsigned(p.num_seqs));
+    const dim3 grid = compact ? dim3(unsigned(compact_ctas))
+                              : dim3(unsigned(ceil_div(p.max_q_len, kBlockM)), unsigned(p.heads),
+                                     unsigned(p.num_seqs));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(p, maps, scale_log2, head_group, opt.pingpong,
-                                                   tma, compact);
+                                                   tma, compact, int(compact_items));
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -91,10 +91,13 @@ void check_result(const Case& c, const std::vector<int32_t>& cu_q, const std::ve
 // producers (TMA for whole boxes, the default; or cp.async throughout) and of both grids for
 // several sequences (the compact 1-D grid, the default, or the 3-D grid), so that all stay
 // covered: -1 the defaults (TMA, compact); -2 in order with round 1's CTA order, 3-D grid;
-// -3 ping-pong with head groups of 3 (a partial last group for most head counts); -4
-// ping-pong without the early rescale in groups of 1 (heads-major order), cp.async; -5
-// round 1's kernel (no ping-pong, late rescale, head after head), cp.async, 3-D grid; -6 the
-// defaults with cp.async; -7 in order, cp.async, 3-D grid.
+// -3 ping-pong with head groups of 3 (a partial last group for most head counts), 7 CTAs; -4
+// ping-pong without the early rescale in groups of 1 (heads-major order), cp.async, 3 CTAs;
+// -5 round 1's kernel (no ping-pong, late rescale, head after head), cp.async, 3-D grid; -6
+// the defaults with cp.async; -7 in order, cp.async, 3-D grid; -8 in order, 2 CTAs. All but
+// -6 run with a work counter (run_case), so with a few CTAs every CTA of a compact grid takes
+// many items from it, which exercises the barrier phases carried from item to item, the
+// hand-over of Q and the counter's reset; -6 runs one CTA per item (no counter).
 cuda::Sm90Options sm90_variant(int variant) {
   cuda::Sm90Options o;  // -1: the defaults
   if (variant == -2) {
@@ -104,11 +107,13 @@ cuda::Sm90Options sm90_variant(int variant) {
   } else if (variant == -3) {
     o.pingpong = true;
     o.head_group = 3;
+    o.ctas = 7;
   } else if (variant == -4) {
     o.pingpong = true;
     o.early_rescale = false;
     o.head_group = 1;
     o.tma = false;
+    o.ctas = 3;
   } else if (variant == -5) {
     o.pingpong = false;
     o.early_rescale = false;
@@ -121,6 +126,9 @@ cuda::Sm90Options sm90_variant(int variant) {
     o.overlap = false;
     o.tma = false;
     o.compact = false;
+  } else if (variant == -8) {
+    o.overlap = false;
+    o.ctas = 2;
   }
   return o;
 }
@@ -203,10 +211,11 @@ void run_case(const Case& c) {
   p.softmax_scale = scale;
   p.act = c.act;
   // rows_per_cta 64 / 128: the mma.sync kernel's tilings; 0: the public prefill_attention
-  // (its own choice of kernel and tiling); -1..-7: the wgmma kernel's variants (sm90_variant;
+  // (its own choice of kernel and tiling); -1..-8: the wgmma kernel's variants (sm90_variant;
   // sm_90 GPUs only).
   const bool sm90 = cuda::prefill_sm90_supported(p);
-  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7}) {
+  DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
+  for (int rows_per_cta : {64, 128, 0, -1, -2, -3, -4, -5, -6, -7, -8}) {
     if (rows_per_cta < 0 && !sm90) continue;
     const cuda::Sm90Options opt = sm90_variant(rows_per_cta);
     SCOPED_TRACE(rows_per_cta == 0 ? std::string("public entry point")
@@ -215,10 +224,12 @@ void run_case(const Case& c) {
                            std::to_string(opt.pingpong) + " early_rescale " +
                            std::to_string(opt.early_rescale) + " head_group " +
                            std::to_string(opt.head_group) + " tma " + std::to_string(opt.tma) +
-                           " compact " + std::to_string(opt.compact)
+                           " compact " + std::to_string(opt.compact) + " ctas " +
+                           std::to_string(opt.ctas)
                      : "rows_per_cta " + std::to_string(rows_per_cta));
     dev.out.fill_bytes(0xFF);
     dev.lse.fill_bytes(0xFF);
+    p.work_counter = rows_per_cta == -6 ? nullptr : counter.ptr;
     if (rows_per_cta == 0)
       cuda::prefill_attention(p, nullptr);
     else if (rows_per_cta < 0)
@@ -228,6 +239,7 @@ void run_case(const Case& c) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     check_result(c, cu_q, dev.out.download(), dev.lse.download(), ref, ref_mag, ref_lse,
                  lay.out_row_stride, lay.out_head_stride, lay.lse_row_stride);
+    EXPECT_EQ(counter.download(), (std::vector<int32_t>{0, 0})) << "work counter not reset";
   }
 }
 
