@@ -162,11 +162,10 @@ struct PrefillParams {
   // blocks past a bound that is too small are not computed.
   int64_t total_q = 0;
   // Optional: 2 int32 of device memory, zero before the first launch that uses them. With
-  // it, a batch of several sequences on the wgmma kernel runs one CTA per SM that takes
-  // query blocks from this counter until none is left (the next block's Q and first key
-  // tiles load while the current one finishes); the kernel's last CTA sets both back to zero,
-  // so launches in one stream may share it, concurrent launches may not. nullptr: one CTA
-  // per query block.
+  // it the wgmma kernel runs one CTA per SM that takes (query block, head) items from this
+  // counter until none is left (the next item's Q and first key tiles load while the
+  // current one finishes); the kernel's last CTA sets both back to zero, so launches in one
+  // stream may share it, concurrent launches may not. nullptr: one CTA per item.
   int32_t* work_counter = nullptr;
   bool causal = true;
   float softmax_scale = 1.0f;
