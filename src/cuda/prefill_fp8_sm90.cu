@@ -90,6 +90,7 @@ using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
+using sm90::scale_acc_rows;
 using sm90::smem_u32;
 using sm90::tma_load_3d;
 using sm90::wgmma_commit;
@@ -613,15 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return __any_sync(0xffffffffu, moved);
   };
-  auto rescale_o = [&] {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      o[4 * i + 0] *= corr[0];
-      o[4 * i + 1] *= corr[0];
-      o[4 * i + 2] *= corr[1];
-      o[4 * i + 3] *= corr[1];
-    }
-  };
+  auto rescale_o = [&] { scale_acc_rows(o, corr); };
   // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
   // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
   auto pack_p = [&] {

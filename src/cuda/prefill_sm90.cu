@@ -99,6 +99,7 @@ using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
+using sm90::scale_acc_rows;
 using sm90::smem_u32;
 using sm90::tma_load_3d;
 using sm90::wgmma_commit;
@@ -442,6 +443,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto rows_of = [&](const Operand& o, int64_t row, int h) {
     return static_cast<const T*>(o.ptr) + row * o.row_stride + int64_t(h) * o.head_stride;
   };
+  // cp.async copies (both producers): Q rows [q_row, q_row + 128) of head h by all 128
+  // threads, and one key tile's half by its 64 threads (warps 0-1: K, 3 panels; warps 2-3:
+  // V, 2 panels); rows past `valid` are zero-filled.
+  auto copy_q = [&](int64_t q_row, int valid, int h) {
+    for (int pn = 0; pn < 3; ++pn)
+      copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, rows_of(p.q, q_row, h) + pn * 64,
+                               p.q.row_stride, valid, wtid);
+  };
+  auto copy_kv_half = [&](int s, int64_t key_row, int valid, int h) {
+    const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
+    const int ctid = wtid & 63;
+    if (wtid < 64) {
+      const T* nope = rows_of(p.k_nope, key_row, h);
+      const int64_t ks = p.k_nope.row_stride;
+      copy_panel<kBlockN, 64>(k_smem, nope, ks, valid, ctid);
+      copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + 64, ks, valid, ctid);
+      copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rows_of(p.k_rope, key_row, h),
+                              p.k_rope.row_stride, valid, ctid);
+    } else {
+      const T* v = rows_of(p.v, key_row, h);
+      copy_panel<kBlockN, 64>(v_smem, v, p.v.row_stride, valid, ctid);
+      copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + 64, p.v.row_stride, valid, ctid);
+    }
+  };
   // The item's Q block and its `tiles` key tiles; g0: tiles this CTA loaded before.
   auto produce_tma = [&](const CompactItem& it, int tiles, int g0) {
     const int h = it.head, q_row = it.q_begin + it.block * kBlockM;
@@ -458,9 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_3d(q_smem + pn * kQPanelBytes, &maps.q, 64 * pn, h, q_row, &q_full);
       }
     } else {
-      for (int pn = 0; pn < 3; ++pn)
-        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes, rows_of(p.q, q_row, h) + pn * 64,
-                                 p.q.row_stride, q_valid, wtid);
+      copy_q(q_row, q_valid, h);
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();
@@ -492,27 +515,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_3d(v_smem + kKPanelBytes, &maps.v, 64, h, k_row0 + key0, &v_full[s]);
           }
         }
-      } else if (loads_k) {
-        const T* nope = rows_of(p.k_nope, k_row0 + key0, h);
-        const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
-        copy_panel<kBlockN, 64>(k_smem, nope, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + 64, ks, rows, ctid);
-        copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rows_of(p.k_rope, k_row0 + key0, h), rs,
-                                rows, ctid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async();
-        producer_bar_sync<4, 64>();
-        if (ctid == 0) mbar_arrive(&k_full[s]);
       } else {
-        const T* v = rows_of(p.v, k_row0 + key0, h);
-        copy_panel<kBlockN, 64>(v_smem, v, p.v.row_stride, rows, ctid);
-        copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + 64, p.v.row_stride, rows, ctid);
+        copy_kv_half(s, k_row0 + key0, rows, h);
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async();
-        producer_bar_sync<5, 64>();
-        if (ctid == 0) mbar_arrive(&v_full[s]);
+        if (loads_k)
+          producer_bar_sync<4, 64>();
+        else
+          producer_bar_sync<5, 64>();
+        if (ctid == 0) mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
       }
     }
   };
@@ -520,18 +532,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const bool loads_k = wtid < 64;
-    const int ctid = wtid & 63;
     int done = 0;  // tiles loaded for the previous items (their stages and phases run on)
     int32_t* const counter = compact ? p.work_counter : nullptr;
-    // The next item's ticket, drawn once this item's loads are issued: about when the SM
-    // finishes this item, as a grid hands its next CTA to the first SM that frees up. Drawn
-    // at the start of the item instead, single sequences ran 1-4 % slower (the heavy-first
-    // list's tail balances worse when CTAs commit to an item one item early).
-    auto draw_ticket = [&](int r) {
-      if (counter != nullptr && wtid == 0)
-        next_idx[(r + 1) & 1] = int(gridDim.x) + atomicAdd(counter, 1);
-    };
 #pragma unroll 1
     for (int r = 0;; ++r) {
       int idx = int(blockIdx.x);
@@ -552,71 +554,53 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (num_tiles == 0) {
         // No more items, or a block whose rows see no key: no Q to load, only the item.
         if (!tma || wtid == 0) mbar_arrive(&q_full);
-        if (it.block >= 0) {
-          draw_ticket(r);
-          continue;
+        if (it.block < 0) {
+          // The launch's last CTA to get here (every CTA has drawn its last ticket) leaves
+          // the counter at zero for the next launch.
+          if (counter != nullptr && wtid == 0 &&
+              (__threadfence(), atomicAdd(counter + 1, 1)) == int(gridDim.x) - 1) {
+            counter[0] = 0;
+            counter[1] = 0;
+          }
+          return;
         }
-        // The launch's last CTA to get here (every CTA has drawn its last ticket) leaves the
-        // counter at zero for the next launch.
-        if (counter != nullptr && wtid == 0 &&
-            (__threadfence(), atomicAdd(counter + 1, 1)) == int(gridDim.x) - 1) {
-          counter[0] = 0;
-          counter[1] = 0;
-        }
-        return;
-      }
-      if (tma) {
+      } else if (tma) {
         produce_tma(it, num_tiles, done);
-        done += num_tiles;
-        draw_ticket(r);
-        continue;
-      }
-      const int head = it.head, q0 = it.block * kBlockM, n = it.n, m = it.m;
-      // Q: panels 0, 1 from dims [0, 128), panel 2 from [128, 192). Rows past n are zeros.
-      for (int pn = 0; pn < 3; ++pn)
-        copy_panel<kBlockM, 128>(q_smem + pn * kQPanelBytes,
-                                 rows_of(p.q, it.q_begin + q0, head) + pn * 64, p.q.row_stride,
-                                 n - q0, wtid);
-      cp_async_commit();  // Q's group; waited for after tile 0's copies are issued (below)
-
-      // Warps 0-1 load K tiles, warps 2-3 V tiles, each at its own pace: K of tile j only
-      // waits for the consumers' S of tile j - 2, V for their P.V of tile j - 2.
-      for (int j = 0; j < num_tiles; ++j) {
-        const int gj = done + j;
-        const int s = gj % kStages;
-        const int key0 = j * kBlockN;
-        const int rows = m - key0;  // >= 1; rows past it are zero-filled
-        const uint32_t k_smem = stage_smem(s), v_smem = k_smem + kKBytes;
-        if (gj >= kStages)  // the consumers' release of tile gj - kStages
-          mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((gj / kStages - 1) & 1));
-        const int64_t key_row = it.k_begin + key0;
-        if (loads_k) {
-          const T* nope = rows_of(p.k_nope, key_row, head);
-          const int64_t ks = p.k_nope.row_stride, rs = p.k_rope.row_stride;
-          copy_panel<kBlockN, 64>(k_smem, nope, ks, rows, ctid);
-          copy_panel<kBlockN, 64>(k_smem + kKPanelBytes, nope + 64, ks, rows, ctid);
-          copy_panel<kBlockN, 64>(k_smem + 2 * kKPanelBytes, rows_of(p.k_rope, key_row, head), rs,
-                                  rows, ctid);
-        } else {
-          const T* v = rows_of(p.v, key_row, head);
-          copy_panel<kBlockN, 64>(v_smem, v, p.v.row_stride, rows, ctid);
-          copy_panel<kBlockN, 64>(v_smem + kKPanelBytes, v + 64, p.v.row_stride, rows, ctid);
-        }
-        cp_async_commit();
-        if (j == 0) {
-          // Q and tile 0 load at the same time (one latency instead of two before the first
-          // MMA of every item): Q's group is the older one, so at most one pending means Q is
-          // in.
-          cp_async_wait<1>();
+      } else {
+        const int q0 = it.block * kBlockM;
+        copy_q(it.q_begin + q0, it.n - q0, it.head);
+        cp_async_commit();  // Q's group; waited for after tile 0's copies are issued (below)
+        // Warps 0-1 load K tiles, warps 2-3 V tiles, each at its own pace: K of tile j only
+        // waits for the consumers' S of tile j - 2, V for their P.V of tile j - 2.
+        const bool loads_k = wtid < 64;
+        for (int j = 0; j < num_tiles; ++j) {
+          const int gj = done + j;
+          const int s = gj % kStages;
+          if (gj >= kStages)  // the consumers' release of tile gj - kStages
+            mbar_wait(loads_k ? &k_empty[s] : &v_empty[s], uint32_t((gj / kStages - 1) & 1));
+          // rows past the keys are zero-filled
+          copy_kv_half(s, int64_t(it.k_begin) + j * kBlockN, it.m - j * kBlockN, it.head);
+          cp_async_commit();
+          if (j == 0) {
+            // Q and tile 0 load at the same time (one latency instead of two before the first
+            // MMA of every item): Q's group is the older one, so at most one pending means Q
+            // is in.
+            cp_async_wait<1>();
+            fence_proxy_async();
+            mbar_arrive(&q_full);
+          }
+          cp_async_wait<0>();  // this thread's copies have landed
           fence_proxy_async();
-          mbar_arrive(&q_full);
+          mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
         }
-        cp_async_wait<0>();  // this thread's copies have landed
-        fence_proxy_async();
-        mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
       }
       done += num_tiles;
-      draw_ticket(r);
+      // The next item's ticket, drawn once this item's loads are issued: about when the SM
+      // finishes this item, as a grid hands its next CTA to the first SM that frees up. Drawn
+      // at the start of the item instead, single sequences ran 1-4 % slower (the heavy-first
+      // list's tail balances worse when CTAs commit to an item one item early).
+      if (counter != nullptr && wtid == 0)
+        next_idx[(r + 1) & 1] = int(gridDim.x) + atomicAdd(counter, 1);
     }
   }
 
@@ -723,15 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return __any_sync(0xffffffffu, max_moved);
     };
-    auto rescale_o = [&] {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        o[4 * i + 0] *= correction[0];
-        o[4 * i + 1] *= correction[0];
-        o[4 * i + 2] *= correction[1];
-        o[4 * i + 3] *= correction[1];
-      }
-    };
+    auto rescale_o = [&] { scale_acc_rows(o, correction); };
     // P as the register A operand: k-step kk covers keys 16kk..16kk+15 = column blocks 2kk and
     // 2kk + 1 of S: {row g keys 2t.., row g+8 keys 2t.., row g keys 8+2t.., row g+8 keys 8+2t..}.
     auto pack_p = [&] {

@@ -171,6 +171,19 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 // (g = lane / 4, t = lane % 4) holds, for each 8-column block i, d[4i], d[4i+1] = row g,
 // columns 8i + 2t, 8i + 2t + 1 and d[4i+2], d[4i+3] = row g + 8, the same columns.
 
+// Multiplies this thread's two rows of an m64nN accumulator (layout above) by c[0] (row g)
+// and c[1] (row g + 8): the online softmax's rescale of O.
+template <int N>
+__device__ __forceinline__ void scale_acc_rows(float (&d)[N], const float (&c)[2]) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    d[4 * i + 0] *= c[0];
+    d[4 * i + 1] *= c[0];
+    d[4 * i + 2] *= c[1];
+    d[4 * i + 3] *= c[1];
+  }
+}
+
 #define KMLA_SM90_REGS16 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define KMLA_SM90_REGS32 \
