@@ -23,14 +23,16 @@
 #include <cstring>
 
 #include "cuda/attention.cuh"
+#include "cuda/prefill_attention.cuh"
 #include "cuda/prefill_fp8_sm90.cuh"
+#include "cuda/prefill_items.cuh"
 #include "cuda/sm90.cuh"
 
 namespace kmla::cuda {
 namespace {
 
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
-constexpr int kBlockM = 128;   // query rows per CTA: two consumer warpgroups of 64
+constexpr int kBlockM = prefill_items::kRows;  // query rows per item: two consumer warpgroups of 64
 constexpr int kBlockN = 128;   // keys per tile
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 
@@ -84,12 +86,20 @@ struct Fp8Maps {
 
 #if KMLA_SM90A
 
+using prefill_items::draw_ticket;
+using prefill_items::Item;
+using prefill_items::key_limit;
+using prefill_items::kNoItem;
+using prefill_items::leave_counter;
+using prefill_items::list_item;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
+using sm90::named_bar_arrive;
+using sm90::named_bar_sync;
 using sm90::scale_acc_rows;
 using sm90::smem_u32;
 using sm90::tma_load_3d;
@@ -298,33 +308,27 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
   }
 }
 
-__device__ __forceinline__ int visible_keys(int row, int n, int m, bool causal) {
-  return causal ? min(max(m - n + row + 1, 0), m) : m;
-}
-
-template <int kId>
-__device__ __forceinline__ void turn_wait() {
-  asm volatile("bar.sync %0, 256;\n" ::"n"(kId) : "memory");
-}
-template <int kId>
-__device__ __forceinline__ void turn_pass() {
-  asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
-}
-
 #endif  // KMLA_SM90A
 
 // ---- the kernel -----------------------------------------------------------------------
-// Grid (blocks_per_head x heads, sequences). Linear index x within a sequence -> (head, rank):
-// heads in groups of head_group, inside a group ranks slowest and heads fastest, rank r taking
-// query block num_blocks - 1 - r, so the longest causal blocks start first (LPT) while the
-// CTAs in flight share the K/V of ~head_group heads in L2. head_group 0: head-major.
+// A 1-D grid over the item list of prefill_items.cuh (one item: a 128-row query block of one
+// head of one sequence; sequences in order, heads in groups of head_group, inside a group
+// the longest blocks first, so the CTAs in flight share the K/V of ~head_group heads in L2).
+// Without PrefillParams::work_counter one CTA per item; with it persistent CTAs (one per SM by
+// default) that take item blockIdx.x, then one item per ticket drawn from the counter once
+// the current item's loads are issued. The next item's Q and first tiles then load while the
+// consumers finish the current one: q_empty (every consumer thread, after its warpgroup's
+// last S) frees Q and the item slot, and each ring's stages and phases run on across items
+// (a tile's ring position is its index among all the tiles the CTA has loaded).
 //
 // Warpgroup 0, the producer (72 registers), one job per warp:
-//   warp 0: Q once (TMA, 2 boxes), then K tiles (TMA nope + rope) into the K ring;
+//   warp 0: each item's Q (TMA, 2 boxes) and K tiles (TMA nope + rope) into the K ring; it
+//           publishes the item (item_smem, with q_full) and draws the tickets;
 //   warp 1: V tiles as stored (TMA, 1 box) into the raw V ring;
 //   warps 2-3: transpose each raw V tile into the V^T ring (transpose_v, ldmatrix/stmatrix).
 //   A box that would run past its sequence (the last Q block or key tile) is copied by the
-//   warp's 32 lanes with cp.async instead, zero-filling the missing rows.
+//   warp's 32 lanes with cp.async instead, zero-filling the missing rows. Each warp finds the
+//   item itself (list_item); the ticket reaches warps 1-3 through next_idx and named barrier 3.
 // Warpgroups 1 and 2, the consumers (216 registers): query rows 64 (w - 1) .. of the block.
 //   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
 //   tiles that cross the diagonal or the sequence end, online softmax in base 2 (lazy: the
@@ -334,10 +338,15 @@ __device__ __forceinline__ void turn_pass() {
 //   pingpong the two consumers also take turns issuing (named barriers 1, 2), so one's softmax
 //   overlaps the other's GEMMs.
 //
-// mbarriers (phase parity of use u of a ring slot: u & 1):
-//   q_full (1 arrival + bytes); k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
-//   vr_full[s] (1 + bytes) / vr_empty[s] (2 transposer warps);
-//   vt_full[s] (2 transposer warps) / vt_empty[s] (8 consumer warps).
+// mbarriers (phase parity of use u of a ring slot: u & 1; of q_full / q_empty: the round):
+//   q_full (1 arrival + bytes) / q_empty (256 consumer threads);
+//   k_full[s] (1 + bytes) / k_empty[s] (8 consumer warps);
+//   vr_full[s] (1 + bytes) / vr_empty[s] (64 transposer threads);
+//   vt_full[s] (64 transposer threads) / vt_empty[s] (8 consumer warps).
+// The raw V slots are the only smem that threads read through the generic proxy after
+// another warp wrote it, so their hand-offs name every thread (each transposer thread
+// arrives itself; warp 1's cp.async copies end at named barrier 4): compute-sanitizer's
+// racecheck does not follow a __syncwarp into one lane's mbarrier arrival.
 //
 // kExp16: the exponentials in f16x2 (one MUFU op per two scores instead of one per score, the
 // softmax's bottleneck pipe): the exponent fmaf(s, scale, 8 - max) is rounded to f16 (2^-11
@@ -347,50 +356,36 @@ __device__ __forceinline__ void turn_pass() {
 template <class T, int kStages, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
-                            int blocks_per_head, int head_group, bool pingpong, bool lazy) {
+                            int head_group, int items, bool pingpong, bool lazy) {
 #if KMLA_SM90A
-  __shared__ __align__(8) uint64_t q_full, k_full[kStages], k_empty[kStages];
+  __shared__ __align__(8) uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages];
   __shared__ __align__(8) uint64_t vr_full[kStages], vr_empty[kStages];
   __shared__ __align__(8) uint64_t vt_full[kStages], vt_empty[kStages];
+  __shared__ Item item_smem;   // the round's item, written by producer lane 0 before q_full
+  __shared__ int next_idx[2];  // the next round's item index (tickets), by round parity
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
-  auto stage = [&](int j) { return base + kQBytes + (j % kStages) * kStageBytes; };
-  auto use_parity = [](int j) { return uint32_t((j / kStages) & 1); };
-
-  // Which (head, query block) this CTA computes.
-  const int nb = blocks_per_head, lin = int(blockIdx.x);
-  int head, rank;
-  if (head_group > 0) {
-    const int first = lin / (head_group * nb) * head_group;
-    const int group_heads = min(head_group, p.heads - first);
-    const int r = lin - first * nb;
-    head = first + r % group_heads;
-    rank = r / group_heads;
-  } else {
-    head = lin / nb;
-    rank = lin % nb;
-  }
-  const int seq = int(blockIdx.y);
-  const int q_begin = p.cu_q[seq], n = p.cu_q[seq + 1] - q_begin;
-  const int k_begin = p.cu_k[seq], m = p.cu_k[seq + 1] - k_begin;
-  const int block = (n + kBlockM - 1) / kBlockM - 1 - rank;
-  if (block < 0) return;  // the whole CTA: past this sequence's queries
+  // Ring position of the CTA's tile gj (counted over all its items so far).
+  auto stage = [&](int gj) { return base + kQBytes + (gj % kStages) * kStageBytes; };
+  auto use_parity = [](int gj) { return uint32_t((gj / kStages) & 1); };
   const bool causal = p.causal;
-  const int q0 = block * kBlockM;
-  const int num_tiles =
-      (visible_keys(min(q0 + kBlockM, n) - 1, n, m, causal) + kBlockN - 1) / kBlockN;
+  auto tiles_of_item = [&](const Item& it) {
+    const int last_row = min(it.block * kBlockM + kBlockM, it.n) - 1;
+    return (key_limit(last_row, it.n, it.m, causal) + kBlockN - 1) / kBlockN;
+  };
 
   const int tid = int(threadIdx.x), wg = tid / 128, wtid = tid & 127;
   const int warp = wtid / 32, lane = tid & 31;
   if (tid == 0) {
     mbar_init(&q_full, 1);
+    mbar_init(&q_empty, 256);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&k_empty[s], 8);
       mbar_init(&vr_full[s], 1);
-      mbar_init(&vr_empty[s], 2);
-      mbar_init(&vt_full[s], 2);
+      mbar_init(&vr_empty[s], 64);
+      mbar_init(&vt_full[s], 64);
       mbar_init(&vt_empty[s], 8);
     }
     sm90::fence_mbarrier_init();
@@ -400,98 +395,126 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (num_tiles == 0) return;
-    if (warp == 0) {
-      // Q, then the K ring.
-      const int q_valid = n - q0;
-      if (q_valid >= kBlockM) {
-        if (lane == 0) {
-          mbar_arrive_expect_tx(&q_full, kQBytes);
-          tma_load_3d(q_nope_s, &maps.q_nope, 0, head, q_begin + q0, &q_full);
-          tma_load_3d(q_rope_s, &maps.q_rope, 0, head, q_begin + q0, &q_full);
-        }
-      } else {
-        const uint8_t* src = static_cast<const uint8_t*>(p.q.ptr) +
-                             int64_t(q_begin + q0) * p.q.row_stride + int64_t(head) * p.q.head_stride;
-        warp_copy_sw128(q_nope_s, src, p.q.row_stride, q_valid, lane);
-        warp_copy_sw64(q_rope_s, src + kNope, p.q.row_stride, q_valid, lane);
-        cp_async_commit_wait_all();
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&q_full);
-      }
-      const int rope_head = p.k_rope.head_stride == 0 ? 0 : head;
+    int32_t* const counter = p.work_counter;
+    int done = 0;  // tiles of the previous items: where this item's tiles sit in the rings
 #pragma unroll 1
-      for (int j = 0; j < num_tiles; ++j) {
-        const int s = j % kStages, key0 = j * kBlockN, rows = m - key0;
-        const uint32_t st = stage(j);
-        if (j >= kStages) mbar_wait(&k_empty[s], use_parity(j) ^ 1u);
-        if (rows >= kBlockN) {
+    for (int r = 0;; ++r) {
+      int idx = int(blockIdx.x);
+      if (r > 0) {
+        if (counter == nullptr) {
+          idx = items;  // one item per CTA
+        } else {
+          named_bar_sync<3, 128>();  // warp 0's ticket of the previous round is in
+          idx = next_idx[r & 1];
+        }
+      }
+      const Item it = idx < items ? list_item(p, idx, head_group) : kNoItem;
+      const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
+      const int head = it.head, k_begin = it.k_begin, m = it.m;
+      if (warp == 0) {
+        // The item and its Q once the consumers are done with the previous Q, then the K ring.
+        if (r > 0) mbar_wait(&q_empty, uint32_t((r - 1) & 1));
+        if (lane == 0) item_smem = it;  // published by the q_full arrival below
+        const int q0 = it.block * kBlockM, q_valid = it.n - q0;
+        if (num_tiles == 0) {
+          // No more items, or a block whose rows see no key: the item only.
+          if (lane == 0) mbar_arrive(&q_full);
+          if (it.block < 0) {
+            if (counter != nullptr && lane == 0) leave_counter(counter);
+            return;
+          }
+        } else if (q_valid >= kBlockM) {
           if (lane == 0) {
-            mbar_arrive_expect_tx(&k_full[s], kKBytes);
-            tma_load_3d(st + kKNopeOff, &maps.k_nope, 0, head, k_begin + key0, &k_full[s]);
-            tma_load_3d(st + kKRopeOff, &maps.k_rope, 0, rope_head, k_begin + key0, &k_full[s]);
+            mbar_arrive_expect_tx(&q_full, kQBytes);
+            tma_load_3d(q_nope_s, &maps.q_nope, 0, head, it.q_begin + q0, &q_full);
+            tma_load_3d(q_rope_s, &maps.q_rope, 0, head, it.q_begin + q0, &q_full);
           }
         } else {
-          const uint8_t* nope = static_cast<const uint8_t*>(p.k_nope.ptr) +
-                                int64_t(k_begin + key0) * p.k_nope.row_stride +
-                                int64_t(head) * p.k_nope.head_stride;
-          const uint8_t* rope = static_cast<const uint8_t*>(p.k_rope.ptr) +
-                                int64_t(k_begin + key0) * p.k_rope.row_stride +
-                                int64_t(head) * p.k_rope.head_stride;
-          warp_copy_sw128(st + kKNopeOff, nope, p.k_nope.row_stride, rows, lane);
-          warp_copy_sw64(st + kKRopeOff, rope, p.k_rope.row_stride, rows, lane);
+          const uint8_t* src = static_cast<const uint8_t*>(p.q.ptr) +
+                               int64_t(it.q_begin + q0) * p.q.row_stride +
+                               int64_t(head) * p.q.head_stride;
+          warp_copy_sw128(q_nope_s, src, p.q.row_stride, q_valid, lane);
+          warp_copy_sw64(q_rope_s, src + kNope, p.q.row_stride, q_valid, lane);
           cp_async_commit_wait_all();
           fence_proxy_async();
           __syncwarp();
-          if (lane == 0) mbar_arrive(&k_full[s]);
+          if (lane == 0) mbar_arrive(&q_full);
         }
-      }
-    } else if (warp == 1) {
-      // The raw V ring.
+        const int rope_head = p.k_rope.head_stride == 0 ? 0 : head;
 #pragma unroll 1
-      for (int j = 0; j < num_tiles; ++j) {
-        const int s = j % kStages, key0 = j * kBlockN, rows = m - key0;
-        const uint32_t dst = stage(j) + kVRawOff;
-        if (j >= kStages) mbar_wait(&vr_empty[s], use_parity(j) ^ 1u);
-        if (rows >= kBlockN) {
-          if (lane == 0) {
-            mbar_arrive_expect_tx(&vr_full[s], kVBytes);
-            tma_load_3d(dst, &maps.v, 0, head, k_begin + key0, &vr_full[s]);
+        for (int j = 0; j < num_tiles; ++j) {
+          const int gj = done + j, s = gj % kStages, key0 = j * kBlockN, rows = m - key0;
+          const uint32_t st = stage(gj);
+          if (gj >= kStages) mbar_wait(&k_empty[s], use_parity(gj) ^ 1u);
+          if (rows >= kBlockN) {
+            if (lane == 0) {
+              mbar_arrive_expect_tx(&k_full[s], kKBytes);
+              tma_load_3d(st + kKNopeOff, &maps.k_nope, 0, head, k_begin + key0, &k_full[s]);
+              tma_load_3d(st + kKRopeOff, &maps.k_rope, 0, rope_head, k_begin + key0, &k_full[s]);
+            }
+          } else {
+            const uint8_t* nope = static_cast<const uint8_t*>(p.k_nope.ptr) +
+                                  int64_t(k_begin + key0) * p.k_nope.row_stride +
+                                  int64_t(head) * p.k_nope.head_stride;
+            const uint8_t* rope = static_cast<const uint8_t*>(p.k_rope.ptr) +
+                                  int64_t(k_begin + key0) * p.k_rope.row_stride +
+                                  int64_t(head) * p.k_rope.head_stride;
+            warp_copy_sw128(st + kKNopeOff, nope, p.k_nope.row_stride, rows, lane);
+            warp_copy_sw64(st + kKRopeOff, rope, p.k_rope.row_stride, rows, lane);
+            cp_async_commit_wait_all();
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&k_full[s]);
           }
-        } else {
-          const uint8_t* src = static_cast<const uint8_t*>(p.v.ptr) +
-                               int64_t(k_begin + key0) * p.v.row_stride +
-                               int64_t(head) * p.v.head_stride;
-          warp_copy_sw128(dst, src, p.v.row_stride, rows, lane);
-          cp_async_commit_wait_all();
-          // Read back by the transposers through the generic proxy: the mbarrier's
-          // release / acquire orders it, no proxy fence needed.
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&vr_full[s]);
         }
-      }
-    } else {
-      // Transposers: raw V of tile j -> V^T, once the consumers are done with V^T of j - 2.
-      const int tw = warp - 2;
+        // The next item's ticket once this item's loads are issued (as in the 16-bit kernel:
+        // about when the SM frees up, which keeps the heavy-first list balanced).
+        if (counter != nullptr && lane == 0) next_idx[(r + 1) & 1] = draw_ticket(counter);
+      } else if (it.block < 0) {
+        return;
+      } else if (warp == 1) {
+        // The raw V ring.
 #pragma unroll 1
-      for (int j = 0; j < num_tiles; ++j) {
-        const int s = j % kStages;
-        const uint32_t st = stage(j);
-        mbar_wait(&vr_full[s], use_parity(j));
-        if (j >= kStages) mbar_wait(&vt_empty[s], use_parity(j) ^ 1u);
-        transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
-        // Every load has returned (the stores used them): the raw slot may be refilled. And
-        // the stores go to the async proxy (wgmma) through this thread's fence.
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
+        for (int j = 0; j < num_tiles; ++j) {
+          const int gj = done + j, s = gj % kStages, key0 = j * kBlockN, rows = m - key0;
+          const uint32_t dst = stage(gj) + kVRawOff;
+          if (gj >= kStages) mbar_wait(&vr_empty[s], use_parity(gj) ^ 1u);
+          if (rows >= kBlockN) {
+            if (lane == 0) {
+              mbar_arrive_expect_tx(&vr_full[s], kVBytes);
+              tma_load_3d(dst, &maps.v, 0, head, k_begin + key0, &vr_full[s]);
+            }
+          } else {
+            const uint8_t* src = static_cast<const uint8_t*>(p.v.ptr) +
+                                 int64_t(k_begin + key0) * p.v.row_stride +
+                                 int64_t(head) * p.v.head_stride;
+            warp_copy_sw128(dst, src, p.v.row_stride, rows, lane);
+            cp_async_commit_wait_all();
+            // Read back by the transposers through the generic proxy: the mbarrier's
+            // release / acquire orders it, no proxy fence needed.
+            named_bar_sync<4, 32>();
+            if (lane == 0) mbar_arrive(&vr_full[s]);
+          }
+        }
+      } else {
+        // Transposers: raw V of tile gj -> V^T, once the consumers are done with V^T of gj - 2.
+        const int tw = warp - 2;
+#pragma unroll 1
+        for (int j = 0; j < num_tiles; ++j) {
+          const int gj = done + j, s = gj % kStages;
+          const uint32_t st = stage(gj);
+          mbar_wait(&vr_full[s], use_parity(gj));
+          if (gj >= kStages) mbar_wait(&vt_empty[s], use_parity(gj) ^ 1u);
+          transpose_v(st + kVRawOff, st + kVtOff, tw, lane);
+          // Every load has returned (the stores used them): the raw slot may be refilled. And
+          // the stores go to the async proxy (wgmma) through this thread's fence.
+          fence_proxy_async();
           mbar_arrive(&vr_empty[s]);
           mbar_arrive(&vt_full[s]);
         }
       }
+      done += num_tiles;
     }
-    return;
   }
 
   // ---------------- consumers ----------------
@@ -502,249 +525,276 @@ __global__ void __launch_bounds__(kThreads, 1)
   // P's e4m3 codes are 2^p_exp p: 256 p (p <= 1) with the exact max, 128 p (p <= 2, the
   // margin) with the lazy one; either way at most 256 < 448, the largest e4m3 value.
   const float p_exp = lazy ? 8.f - kLazyMargin : 8.f;
-  // Tiles holding a key that some row of consumer c sees: a prefix of the CTA's tiles.
-  auto tiles_of = [&](int c) {
-    const int first = q0 + 64 * c;
-    if (first >= n) return 0;
-    return (visible_keys(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN;
-  };
-  const int my_tiles = tiles_of(cw);
-  const int wg_first = q0 + 64 * cw;
-  const int min_visible = visible_keys(wg_first, n, m, causal);  // fewest keys any row sees
-  const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
-  const int limit[2] = {visible_keys(row0, n, m, causal), visible_keys(row0 + 8, n, m, causal)};
-  const uint32_t q_nope_wg = q_nope_s + cw * 64 * 128, q_rope_wg = q_rope_s + cw * 64 * 64;
   auto release = [&](uint64_t* bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
+  int done = 0;  // tiles of the previous items (the producer's count)
+#pragma unroll 1
+  for (int r = 0;; ++r) {
+    mbar_wait(&q_full, uint32_t(r & 1));  // the round's item (and its Q when it has keys)
+    const Item it = item_smem;
+    if (it.block < 0) return;  // no more items
+    const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
+    const int q0 = it.block * kBlockM;
+    const int num_tiles = tiles_of_item(it);
+    // Tiles holding a key that some row of consumer c sees: a prefix of the item's tiles.
+    auto tiles_of = [&](int c) {
+      const int first = q0 + 64 * c;
+      if (first >= n) return 0;
+      return (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN;
+    };
+    const int my_tiles = tiles_of(cw);
+    const int wg_first = q0 + 64 * cw;
+    const int min_visible = key_limit(wg_first, n, m, causal);  // fewest keys any row sees
+    const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
+    const int limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
+    const uint32_t q_nope_wg = q_nope_s + cw * 64 * 128, q_rope_wg = q_rope_s + cw * 64 * 64;
+    // Tile j of this item: its ring slot and that slot's phase.
+    auto slot = [&](int j) { return (done + j) % kStages; };
+    auto parity = [&](int j) { return use_parity(done + j); };
 
-  float o[64];
+    float o[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  float sc[64];
-  uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
-  uint32_t pa[4][4];
-  float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
-  float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
-  float corr[2] = {1.f, 1.f};
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float sc[64];
+    uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
+    uint32_t pa[4][4];
+    float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
+    float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
+    float corr[2] = {1.f, 1.f};
 
-  auto issue_s = [&](int j) {
-    const uint32_t st = stage(j);
+    auto issue_s = [&](int j) {
+      const uint32_t st = stage(done + j);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
-                    kk > 0);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
+                      kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk), true);
-    wgmma_commit();
-  };
-  auto issue_pv = [&](int j) {
-    const uint32_t vt = stage(j) + kVtOff;
+      for (int kk = 0; kk < 2; ++kk)
+        wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk),
+                      true);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {
+      const uint32_t vt = stage(done + j) + kVtOff;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
-    wgmma_commit();
-  };
-  // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
-  // exponent). Returns whether some row of the warp moved its max (O then needs corr).
-  auto softmax = [&](int j) {
-    const int key0 = j * kBlockN;
-    if (key0 + kBlockN > min_visible) {
+      for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
+      wgmma_commit();
+    };
+    // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
+    // exponent). Returns whether some row of the warp moved its max (O then needs corr).
+    auto softmax = [&](int j) {
+      const int key0 = j * kBlockN;
+      if (key0 + kBlockN > min_visible) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
+        for (int i = 0; i < 16; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (key0 + 8 * i + 2 * t + (e & 1) >= limit[e >> 1]) sc[4 * i + e] = -INFINITY;
-    }
-    // Row maxima as balanced trees (5 levels, not a chain of 16 dependent fmaxf), both rows
-    // before their shuffles so that the two rows' latencies overlap.
-    float mx[2];
+          for (int e = 0; e < 4; ++e)
+            if (key0 + 8 * i + 2 * t + (e & 1) >= limit[e >> 1]) sc[4 * i + e] = -INFINITY;
+      }
+      // Row maxima as balanced trees (5 levels, not a chain of 16 dependent fmaxf), both rows
+      // before their shuffles so that the two rows' latencies overlap.
+      float mx[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m[16];
+      for (int h = 0; h < 2; ++h) {
+        float m[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m[i] = fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]);
+        for (int i = 0; i < 16; ++i) m[i] = fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], m[i + 8]);
+        for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], m[i + 8]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) m[i] = fmaxf(m[i], m[i + 4]);
-      m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
-      mx[h] = fmaxf(row_max[h], m[0]);
-    }
+        for (int i = 0; i < 4; ++i) m[i] = fmaxf(m[i], m[i + 4]);
+        m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
+        mx[h] = fmaxf(row_max[h], m[0]);
+      }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    bool moved = false;
+      for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      bool moved = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // Lazy rescale: keep the old max while the new one is at most kLazyMargin (base 2) above
-      // it. (Both -inf: NaN, the test fails and the max stays -inf; only -inf before: +inf.)
-      if (lazy && (mx[h] - row_max[h]) * scale_log2 <= kLazyMargin) mx[h] = row_max[h];
-      // No visible key yet: max stays -inf and the offset 0 keeps p = 0 rather than NaN.
-      const float off = mx[h] == -INFINITY ? 0.f : mx[h] * scale_log2;
-      corr[h] = fast_exp2(row_max[h] * scale_log2 - off);
-      moved |= mx[h] != row_max[h];
-      row_max[h] = mx[h];
-      const float off8 = p_exp - off;
-      float sum = 0.f;
+      for (int h = 0; h < 2; ++h) {
+        // Lazy rescale: keep the old max while the new one is at most kLazyMargin (base 2) above
+        // it. (Both -inf: NaN, the test fails and the max stays -inf; only -inf before: +inf.)
+        if (lazy && (mx[h] - row_max[h]) * scale_log2 <= kLazyMargin) mx[h] = row_max[h];
+        // No visible key yet: max stays -inf and the offset 0 keeps p = 0 rather than NaN.
+        const float off = mx[h] == -INFINITY ? 0.f : mx[h] * scale_log2;
+        corr[h] = fast_exp2(row_max[h] * scale_log2 - off);
+        moved |= mx[h] != row_max[h];
+        row_max[h] = mx[h];
+        const float off8 = p_exp - off;
+        float sum = 0.f;
+        if constexpr (kExp16) {
+          uint32_t sum2[2] = {0, 0};  // two chains of 8 adds instead of one of 16
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
+                                                    fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
+            ph[2 * i + h] = e;
+            sum2[i & 1] = add_f16x2(sum2[i & 1], e);
+          }
+          sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
+        } else {
+          float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
+            sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
+            part[(2 * i) & 3] += sc[4 * i + 2 * h];
+            part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+          }
+          sum = (part[0] + part[1]) + (part[2] + part[3]);
+        }
+        row_sum[h] = row_sum[h] * corr[h] + sum;
+      }
+      return __any_sync(0xffffffffu, moved);
+    };
+    auto rescale_o = [&] { scale_acc_rows(o, corr); };
+    // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
+    // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
+    auto pack_p = [&] {
       if constexpr (kExp16) {
-        uint32_t sum2[2] = {0, 0};  // two chains of 8 adds instead of one of 16
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
-                                                  fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
-          ph[2 * i + h] = e;
-          sum2[i & 1] = add_f16x2(sum2[i & 1], e);
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t* q = ph + 8 * kk;
+          pa[kk][0] = e4m3x4_f16(q[0], q[2]);
+          pa[kk][1] = e4m3x4_f16(q[1], q[3]);
+          pa[kk][2] = e4m3x4_f16(q[4], q[6]);
+          pa[kk][3] = e4m3x4_f16(q[5], q[7]);
         }
-        sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
       } else {
-        float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
-          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
-          part[(2 * i) & 3] += sc[4 * i + 2 * h];
-          part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
+        for (int kk = 0; kk < 4; ++kk) {
+          const float* s = sc + 16 * kk;
+          pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+          pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+          pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+          pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
         }
-        sum = (part[0] + part[1]) + (part[2] + part[3]);
       }
-      row_sum[h] = row_sum[h] * corr[h] + sum;
-    }
-    return __any_sync(0xffffffffu, moved);
-  };
-  auto rescale_o = [&] { scale_acc_rows(o, corr); };
-  // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
-  // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
-  auto pack_p = [&] {
-    if constexpr (kExp16) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t* q = ph + 8 * kk;
-        pa[kk][0] = e4m3x4_f16(q[0], q[2]);
-        pa[kk][1] = e4m3x4_f16(q[1], q[3]);
-        pa[kk][2] = e4m3x4_f16(q[4], q[6]);
-        pa[kk][3] = e4m3x4_f16(q[5], q[7]);
-      }
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const float* s = sc + 16 * kk;
-        pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
-        pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
-        pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
-        pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
-      }
-    }
-  };
+    };
 
-  // Ping-pong turns over "slots": S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1). Only
-  // the first min(T0, T1) + 1 slots alternate (both consumers compute the same count), so each
-  // bar.sync meets exactly one bar.arrive: consumer 0 waits on barrier 1 and passes barrier 2,
-  // consumer 1 the reverse; consumer 1 opens with a pass on 1 and skips its last pass.
-  int turns = 0;
-  if (pingpong) {
-    const int t0 = tiles_of(0), t1 = tiles_of(1);
-    turns = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
-  }
-  auto slot_begin = [&](int slot) {
-    if (slot < turns) {
-      if (cw == 0) turn_wait<1>();
-      else turn_wait<2>();
+    // Ping-pong turns over "slots": S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1).
+    // Only the first min(T0, T1) + 1 slots alternate (both consumers compute the same count),
+    // so each bar.sync meets exactly one bar.arrive: consumer 0 waits on barrier 1 and passes
+    // barrier 2, consumer 1 the reverse; consumer 1 opens with a pass on 1 and skips its last
+    // pass. Each item's turns balance, and consumer 1 opens the next item's only after its
+    // last wait of this one, which follows consumer 0's last wait on barrier 1.
+    int turns = 0;
+    if (pingpong) {
+      const int t0 = tiles_of(0), t1 = tiles_of(1);
+      turns = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
     }
-  };
-  auto slot_end = [&](int slot) {
-    if (slot < turns) {
-      if (cw == 0) turn_pass<2>();
-      else if (slot + 1 < turns) turn_pass<1>();
-    }
-  };
-  if (cw == 1 && turns > 0) turn_pass<1>();
+    auto slot_begin = [&](int turn) {
+      if (turn < turns) {
+        if (cw == 0)
+          named_bar_sync<1, 256>();
+        else
+          named_bar_sync<2, 256>();
+      }
+    };
+    auto slot_end = [&](int turn) {
+      if (turn < turns) {
+        if (cw == 0)
+          named_bar_arrive<2, 256>();
+        else if (turn + 1 < turns)
+          named_bar_arrive<1, 256>();
+      }
+    };
+    if (cw == 1 && turns > 0) named_bar_arrive<1, 256>();
 
-  if (my_tiles > 0) {
-    mbar_wait(&q_full, 0);
-    mbar_wait(&k_full[0], 0);
-    slot_begin(0);
-    wgmma_fence();
-    issue_s(0);
-    slot_end(0);
-    wgmma_wait<0>();
-    fence_regs(sc);
-    release(&k_empty[0]);
-    softmax(0);  // O is still zero: no rescale owed
-    pack_p();
-    bool owe = false;  // O still needs corr of the last softmax
-    for (int j = 1; j < my_tiles; ++j) {
-      const int s = j % kStages, sp = (j - 1) % kStages;
-      mbar_wait(&k_full[s], use_parity(j));
-      fence_regs(o);
-      slot_begin(j);
+    // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
+    // loads the next item's Q while this one's last P.V and epilogue run.
+    if (my_tiles == 0) mbar_arrive(&q_empty);
+    if (my_tiles > 0) {
+      mbar_wait(&k_full[slot(0)], parity(0));
+      slot_begin(0);
       wgmma_fence();
-      issue_s(j);
-      fence_regs(o);  // the multiplies below come after the S issue
+      issue_s(0);
+      slot_end(0);
+      wgmma_wait<0>();
+      fence_regs(sc);
+      release(&k_empty[slot(0)]);
+      if (my_tiles == 1) mbar_arrive(&q_empty);
+      softmax(0);  // O is still zero: no rescale owed
+      pack_p();
+      bool owe = false;  // O still needs corr of the last softmax
+      for (int j = 1; j < my_tiles; ++j) {
+        const int s = slot(j), sp = slot(j - 1);
+        mbar_wait(&k_full[s], parity(j));
+        fence_regs(o);
+        slot_begin(j);
+        wgmma_fence();
+        issue_s(j);
+        fence_regs(o);  // the multiplies below come after the S issue
+        if (owe) rescale_o();
+        fence_regs(o);
+        // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
+        mbar_wait(&vt_full[sp], parity(j - 1));
+        wgmma_fence();
+        issue_pv(j - 1);
+        slot_end(j);
+        wgmma_wait<1>();  // S(j) done (groups retire in order)
+        fence_regs(sc);
+        release(&k_empty[s]);
+        if (j == my_tiles - 1) mbar_arrive(&q_empty);
+        owe = softmax(j);
+        wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
+        fence_regs(o);
+        release(&vt_empty[sp]);
+        pack_p();
+      }
+      const int last = my_tiles - 1;
+      mbar_wait(&vt_full[slot(last)], parity(last));
+      fence_regs(o);
+      slot_begin(my_tiles);
       if (owe) rescale_o();
       fence_regs(o);
-      // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
-      mbar_wait(&vt_full[sp], use_parity(j - 1));
       wgmma_fence();
-      issue_pv(j - 1);
-      slot_end(j);
-      wgmma_wait<1>();  // S(j) done (groups retire in order)
-      fence_regs(sc);
-      release(&k_empty[s]);
-      owe = softmax(j);
-      wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
+      issue_pv(last);
+      slot_end(my_tiles);
+      wgmma_wait<0>();
       fence_regs(o);
-      release(&vt_empty[sp]);
-      pack_p();
+      release(&vt_empty[slot(last)]);
     }
-    const int last = my_tiles - 1;
-    mbar_wait(&vt_full[last % kStages], use_parity(last));
-    fence_regs(o);
-    slot_begin(my_tiles);
-    if (owe) rescale_o();
-    fence_regs(o);
-    wgmma_fence();
-    issue_pv(last);
-    slot_end(my_tiles);
-    wgmma_wait<0>();
-    fence_regs(o);
-    release(&vt_empty[last % kStages]);
-  }
-  // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
-  for (int j = my_tiles; j < num_tiles; ++j) {
-    const int s = j % kStages;
-    mbar_wait(&k_full[s], use_parity(j));
-    release(&k_empty[s]);
-    mbar_wait(&vt_full[s], use_parity(j));
-    release(&vt_empty[s]);
-  }
+    // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
+    for (int j = my_tiles; j < num_tiles; ++j) {
+      const int s = slot(j);
+      mbar_wait(&k_full[s], parity(j));
+      release(&k_empty[s]);
+      mbar_wait(&vt_full[s], parity(j));
+      release(&vt_empty[s]);
+    }
 
-  // Epilogue: out = O * scale_v / (256 l), rounded once; lse = ln(l) + scale * max.
-  if (wg_first >= n) return;
-  const float v_scale = __ldg(p.v_scale);
+    // Epilogue: out = O * scale_v / (256 l), rounded once; lse = ln(l) + scale * max.
+    if (wg_first < n) {
+      const float v_scale = __ldg(p.v_scale);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    float l = row_sum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (row >= n) continue;
-    const bool any = l > 0.f;
-    const float f = any ? v_scale / l : 0.f;
-    const int64_t grow = int64_t(q_begin) + row;
-    T* out = static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        float l = row_sum[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (row >= n) continue;
+        const bool any = l > 0.f;
+        const float f = any ? v_scale / l : 0.f;
+        const int64_t grow = int64_t(q_begin) + row;
+        T* out =
+            static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
-          pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
-    if (t == 0)
-      p.lse[grow * p.lse_row_stride + head] =
-          any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
+        for (int i = 0; i < 16; ++i)
+          *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
+              pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
+        if (t == 0)
+          p.lse[grow * p.lse_row_stride + head] =
+              any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
+      }
+    }
+    done += num_tiles;
   }
 #else
-  (void)p, (void)maps, (void)blocks_per_head, (void)head_group, (void)pingpong, (void)lazy;
+  (void)p, (void)maps, (void)head_group, (void)items, (void)pingpong, (void)lazy;
 #endif
 }
 
@@ -891,7 +941,12 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   encode_map(&maps.v, p.v, 0, kVDim, p.heads, "v");
   KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
              opt.stages);
-  const int blocks_per_head = int(ceil_div(p.max_q_len, kBlockM));
+  KMLA_CHECK(opt.ctas >= -1, "prefill fp8: ctas must be -1, 0 or positive, got ", opt.ctas);
+  // The item list (prefill_items.cuh) on one CTA per item, or with a work counter on
+  // persistent CTAs (one per SM unless opt.ctas says otherwise).
+  const int64_t items = prefill_sm90_compact_items(p);
+  const int64_t ctas = prefill_sm90_ctas(p, items, opt.ctas);
+  if (ctas == 0) return;  // no query block in the batch
   const int head_group = std::min(opt.head_group, p.heads);
   dispatch_act(p.act, [&]<class T>() {
     auto* kernel = opt.exp16 ? (opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3, true>
@@ -901,9 +956,8 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
     const int smem = smem_alloc(opt.stages);
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const dim3 grid(unsigned(blocks_per_head * p.heads), unsigned(p.num_seqs));
-    kernel<<<grid, kThreads, smem, stream>>>(p, maps, blocks_per_head, head_group, opt.pingpong,
-                                             opt.lazy_rescale);
+    kernel<<<dim3(unsigned(ctas)), kThreads, smem, stream>>>(p, maps, head_group, int(items),
+                                                             opt.pingpong, opt.lazy_rescale);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -10,7 +10,8 @@ namespace kmla::cuda {
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
-// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1.
+// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1,
+// KMLA_PREFILL_FP8_CTAS=N (-1, 0 or positive).
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -26,6 +27,9 @@ struct Fp8PrefillOptions {
   // stored as 128 p with p <= 2 against the stale max, still <= 256 as e4m3. Skips the 64
   // multiplies and most of the rescale decisions on nearly every tile past the first few.
   bool lazy_rescale = true;
+  // CTAs when PrefillParams::work_counter is set: 0 = one per SM, n > 0 = at most n (tests:
+  // many items per CTA), -1 = one per item (as without the counter).
+  int ctas = 0;
 };
 
 // Whether the current device can run the fp8 kernel: an sm_90 GPU and sm_90a code in this

@@ -22,6 +22,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/prefill_items.cuh"
 #include "cuda/sm90.cuh"
 
 // The device code below needs wgmma and setmaxnreg, which exist only in the sm_90a target.
@@ -36,7 +37,7 @@ constexpr int kQkDim = kNopeDim + kRopeDim;  // 192
 constexpr int kVDim = 128;
 static_assert(kQkDim == 192 && kVDim == 128, "the MLA head dims the tiles are built for");
 
-constexpr int kBlockM = 128;  // query rows per CTA: two consumer warpgroups of 64
+constexpr int kBlockM = prefill_items::kRows;  // query rows per CTA: two consumer warpgroups of 64
 constexpr int kBlockN = 128;  // keys per pipeline stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
@@ -67,7 +68,7 @@ static_assert(kSmemAlloc <= 227 * 1024, "fits the sm_90 per-block opt-in");
 // consumers take them (232): 128 x 40 + 256 x 232 = 64512. A consumer thread holds O (64 fp32),
 // S (64 fp32) and P (32 packed pairs) plus softmax state and addresses: ~180. ptxas allocates
 // each region within its setmaxnreg limit (the producer's copy loop is kept rolled for that).
-// The producer's item loop (work counter, compact_item) spills 28-40 bytes at 40: local
+// The producer's item loop (work counter, list_item) spills 28-40 bytes at 40: local
 // memory touched a few times per item. 56 / 224 has no spill but ran single sequences 1-3 %
 // slower (H200, 2026-12-04: 8k x 64 heads 2154-2206 against 2101 us).
 // The increase only succeeds within what the CTA was launched with (168 x 384 = 64512):
@@ -90,7 +91,15 @@ struct Sm90Maps {
 // ---- PTX wrappers (sm_90a) -----------------------------------------------------------
 #if KMLA_SM90_DEVICE
 
-// The mbarrier, TMA, descriptor and wgmma-group primitives shared with the decode kernel.
+// The item list (prefill_items.cuh, shared with the fp8 kernel) and the mbarrier, TMA,
+// descriptor and wgmma-group primitives (sm90.cuh, shared with the decode kernel).
+using prefill_items::draw_ticket;
+using prefill_items::grid_item;
+using prefill_items::Item;
+using prefill_items::key_limit;
+using prefill_items::kNoItem;
+using prefill_items::leave_counter;
+using prefill_items::list_item;
 using sm90::desc_k_major;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
@@ -99,6 +108,8 @@ using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
+using sm90::named_bar_arrive;
+using sm90::named_bar_sync;
 using sm90::scale_acc_rows;
 using sm90::smem_u32;
 using sm90::tma_load_3d;
@@ -125,26 +136,13 @@ __device__ __forceinline__ uint64_t desc_mn_major(uint32_t addr) {
   return make_desc(addr, kKPanelBytes, 1024);
 }
 
-// Named barriers 1 and 2 (0 is __syncthreads) order the two consumer warpgroups' MMA issue
-// (ping-pong): a warpgroup waits on its own barrier (bar.sync, 128 of the 256 threads) and
-// releases the other's (bar.arrive, the other 128), so each completes once per handoff.
-// Immediate ids, so that ptxas reserves 3 barriers rather than all 16.
-template <int kId>
-__device__ __forceinline__ void named_bar_sync() {
-  asm volatile("bar.sync %0, 256;\n" ::"n"(kId) : "memory");
-}
-template <int kId>
-__device__ __forceinline__ void named_bar_arrive() {
-  asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
-}
-// Named barriers 3-5 are the TMA producer's, for the rare tile it copies with cp.async (a
-// partial one): after every copying thread has fenced its copies, one thread arrives on the
-// full barrier, whose count is 1 in that mode. 3: all 128 producer threads (Q), 4: the K
-// half (warps 0-1), 5: the V half (warps 2-3).
-template <int kId, int kThreadCount>
-__device__ __forceinline__ void producer_bar_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
-}
+// Named barriers (sm90::named_bar_sync / named_bar_arrive): 1 and 2 order the two consumer
+// warpgroups' MMA issue (ping-pong): a warpgroup waits on its own barrier (bar.sync, 128 of the
+// 256 threads) and releases the other's (bar.arrive, the other 128), so each completes once per
+// handoff. 3-5 are the producer's: 3 all 128 producer threads (Q of a partial block, the
+// persistent CTAs' tickets), 4 the K half (warps 0-1), 5 the V half (warps 2-3); with TMA
+// a partial tile copied by cp.async is announced by one thread once every copying thread has
+// fenced its copies (the full barrier's count is 1 in that mode).
 
 #define KMLA_ACC8(i)                                                                          \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -230,98 +228,6 @@ __device__ __forceinline__ void copy_panel(uint32_t panel, const T* src, int64_t
   }
 }
 
-// Keys visible to query row `row` (0-based in its sequence of n queries and m keys).
-__device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
-  return causal ? min(max(m - n + row + 1, 0), m) : m;
-}
-
-// Item `lin` of one sequence's nbx query blocks x H heads in the launch order described above
-// the kernel: heads in groups of G (the last group may be smaller; G = 1 is head after
-// head), inside a group blocks slowest and heads fastest, the heaviest (last) block first.
-// Returns {head, block}.
-__device__ __forceinline__ int2 group_order(int lin, int nbx, int G, int H) {
-  const int g0 = lin / (G * nbx) * G;  // first head of the group
-  const int hs = min(G, H - g0);       // heads in this group
-  const int r = lin - g0 * nbx;        // in [0, hs * nbx)
-  return make_int2(g0 + r % hs, nbx - 1 - r / hs);
-}
-
-// ---- the compact grid (Sm90Options::compact) ------------------------------------------
-// A 1-D grid of (query block, head, sequence) items with no CTA for blocks a sequence lacks:
-// the sequences in the caller's order, each sequence's items in the 3-D grid's order (its
-// blocks x heads, head groups of G, heaviest block first). One sequence takes it only with a
-// work counter (the host keeps the 3-D grid for it otherwise); either way the CTAs of a
-// sequence see the same order as in the 3-D grid; only the empty CTAs are gone.
-struct CompactItem {
-  int block, head;  // block -1: past the batch's items (the CTA leaves)
-  int q_begin, n, k_begin, m;
-};
-
-// The 3-D grid's item for this CTA (see the grid order above the kernel): blockIdx = (rank,
-// head, sequence); block -1 for the ranks a sequence shorter than the longest lacks.
-__device__ __forceinline__ CompactItem grid_item(const PrefillParams& p, int head_group) {
-  // head_group 0 (blocks fastest, head after head) is the group order with G = 1.
-  const int nbx = int(gridDim.x);
-  const int2 hb =
-      group_order(int(blockIdx.y) * nbx + int(blockIdx.x), nbx, max(head_group, 1), p.heads);
-  const int seq = int(blockIdx.z);
-  CompactItem it;
-  it.head = hb.x;
-  it.q_begin = p.cu_q[seq];
-  it.n = p.cu_q[seq + 1] - it.q_begin;
-  it.k_begin = p.cu_k[seq];
-  it.m = p.cu_k[seq + 1] - it.k_begin;
-  // the grid has blocks for the longest sequence: the first nbx - num_blocks ranks of this
-  // one have none
-  it.block = hb.y - (nbx - (it.n + kBlockM - 1) / kBlockM);
-  return it;
-}
-
-// Warp-collective (all 32 lanes of one warp, every shuffle reached by all of them: no
-// collective sits under a lane-dependent branch): item `idx` of the order above. Lane l reads
-// the lengths of sequences l, l + 32, ...; an inclusive warp scan of each sequence's item
-// count (blocks x heads) finds the sequence, 32 sequences per round (one round for up to 32
-// sequences: two dependent loads of cu_q / cu_k and ~10 shuffles, about what the 3-D grid's
-// CTA spends on its own two loads).
-__device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_group) {
-  const int lane = int(threadIdx.x & 31), S = p.num_seqs, H = p.heads;
-  const int G = max(head_group, 1);
-  CompactItem it{-1, 0, 0, 0, 0, 0};
-  int rest = idx;  // items before this one in the sequences not yet passed
-#pragma unroll 1
-  for (int s0 = 0; s0 < S; s0 += 32) {
-    const int s = s0 + lane;
-    int n = 0;
-    if (s < S) n = __ldg(p.cu_q + s + 1) - __ldg(p.cu_q + s);
-    const int nb = (max(n, 0) + kBlockM - 1) / kBlockM;
-    const int items = nb * H;
-    int incl = items;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    const int chunk = __shfl_sync(0xffffffffu, incl, 31);
-    const unsigned hits = __ballot_sync(0xffffffffu, incl > rest);
-    if (hits != 0u) {  // warp-uniform: the item is in this round's sequences
-      const int hit = __ffs(int(hits)) - 1;
-      const int lin = rest - __shfl_sync(0xffffffffu, incl - items, hit);
-      const int nbx = __shfl_sync(0xffffffffu, nb, hit);
-      const int seq = s0 + hit;
-      const int2 hb = group_order(lin, nbx, G, H);
-      it.head = hb.x;
-      it.block = hb.y;
-      it.q_begin = __ldg(p.cu_q + seq);
-      it.n = __ldg(p.cu_q + seq + 1) - it.q_begin;
-      it.k_begin = __ldg(p.cu_k + seq);
-      it.m = __ldg(p.cu_k + seq + 1) - it.k_begin;
-      return it;
-    }
-    rest -= chunk;
-  }
-  return it;  // idx past the batch's items
-}
-
 #endif  // KMLA_SM90_DEVICE
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -337,7 +243,8 @@ __device__ CompactItem compact_item(const PrefillParams& p, int idx, int head_gr
 //   ranks slowest, heads fastest, so the group's blocks start longest first (LPT): the
 //   model's tail drops below 0.5% at every size above. With G = 8 the CTAs in flight still
 //   cover only ~8 heads (~16 CTAs per head, roughly in step along the keys), so each K/V
-//   tile is read from HBM once per ~16 CTAs: at 8k x 64 heads ~0.7 GB over ~2.5 ms.
+//   tile is read from HBM once per ~16 CTAs: at 8k x 64 heads ~0.7 GB over ~2.5 ms. The
+//   default G = 2 keeps the K/V of the heads in flight inside L2 up to 32k keys (2 x 20 MB).
 //
 // With PrefillParams::work_counter the compact grid (also for one sequence) has one CTA per
 // SM instead, each taking items in turn (item blockIdx.x, then one per ticket drawn from
@@ -412,19 +319,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const bool causal = p.causal;
-  // The item of round r (compact grid: the index `idx` in compact_item's order), and the
+  // The item of round r (compact grid: the index `idx` in list_item's order), and the
   // tiles it loads (0 for a block whose rows see no key). The producer finds it and passes it
   // to the consumers with Q (item_smem, below).
   auto round_item = [&](int r, int idx) {
-    const CompactItem none{-1, 0, 0, 0, 0, 0};
-    if (!compact) return r == 0 ? grid_item(p, head_group) : none;
-    return idx < compact_items ? compact_item(p, idx, head_group) : none;
+    if (!compact) return r == 0 ? grid_item(p, head_group) : kNoItem;
+    return idx < compact_items ? list_item(p, idx, head_group) : kNoItem;
   };
-  auto tiles_of_item = [&](const CompactItem& it) {
+  auto tiles_of_item = [&](const Item& it) {
     const int last_row = min(it.block * kBlockM + kBlockM, it.n) - 1;
     return (key_limit(last_row, it.n, it.m, causal) + kBlockN - 1) / kBlockN;
   };
-  __shared__ CompactItem item_smem;
+  __shared__ Item item_smem;
   // Compact grid with a work counter (G CTAs, fewer than the items): CTA c takes item c,
   // then G + the tickets it draws from p.work_counter[0], one per item, drawn by producer
   // thread 0 once the item's loads are issued and passed to the other producer threads in
@@ -468,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   // The item's Q block and its `tiles` key tiles; g0: tiles this CTA loaded before.
-  auto produce_tma = [&](const CompactItem& it, int tiles, int g0) {
+  auto produce_tma = [&](const Item& it, int tiles, int g0) {
     const int h = it.head, q_row = it.q_begin + it.block * kBlockM;
     const int q_valid = it.n - it.block * kBlockM, k_row0 = it.k_begin, keys = it.m;
     const int rope_head = p.k_rope.head_stride == 0 ? 0 : h;
@@ -487,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_commit();
       cp_async_wait<0>();
       fence_proxy_async();
-      producer_bar_sync<3, 128>();
+      named_bar_sync<3, 128>();
       if (wtid == 0) mbar_arrive(&q_full);
     }
     const bool loads_k = wtid < 64;
@@ -521,9 +427,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async_wait<0>();
         fence_proxy_async();
         if (loads_k)
-          producer_bar_sync<4, 64>();
+          named_bar_sync<4, 64>();
         else
-          producer_bar_sync<5, 64>();
+          named_bar_sync<5, 64>();
         if (ctid == 0) mbar_arrive(loads_k ? &k_full[s] : &v_full[s]);
       }
     }
@@ -541,13 +447,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (counter == nullptr) {
           idx = compact_items;  // one item per CTA
         } else {
-          producer_bar_sync<3, 128>();  // thread 0's ticket of the previous round is in
+          named_bar_sync<3, 128>();  // thread 0's ticket of the previous round is in
           idx = next_idx[r & 1];
         }
       }
       // Each warp finds the item itself (a few dependent loads, under the consumers' work on
       // the previous item), then waits until the consumers are done with the previous Q.
-      const CompactItem it = round_item(r, idx);
+      const Item it = round_item(r, idx);
       if (r > 0) mbar_wait(&q_empty, uint32_t((r - 1) & 1));
       if (wtid == 0) item_smem = it;  // published by the q_full arrival below
       const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
@@ -555,13 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // No more items, or a block whose rows see no key: no Q to load, only the item.
         if (!tma || wtid == 0) mbar_arrive(&q_full);
         if (it.block < 0) {
-          // The launch's last CTA to get here (every CTA has drawn its last ticket) leaves
-          // the counter at zero for the next launch.
-          if (counter != nullptr && wtid == 0 &&
-              (__threadfence(), atomicAdd(counter + 1, 1)) == int(gridDim.x) - 1) {
-            counter[0] = 0;
-            counter[1] = 0;
-          }
+          if (counter != nullptr && wtid == 0) leave_counter(counter);
           return;
         }
       } else if (tma) {
@@ -599,8 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // finishes this item, as a grid hands its next CTA to the first SM that frees up. Drawn
       // at the start of the item instead, single sequences ran 1-4 % slower (the heavy-first
       // list's tail balances worse when CTAs commit to an item one item early).
-      if (counter != nullptr && wtid == 0)
-        next_idx[(r + 1) & 1] = int(gridDim.x) + atomicAdd(counter, 1);
+      if (counter != nullptr && wtid == 0) next_idx[(r + 1) & 1] = draw_ticket(counter);
     }
   }
 
@@ -618,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 1
   for (int r = 0;; ++r) {
     mbar_wait(&q_full, uint32_t(r & 1));  // Q and the item of round r (Q: when it has keys)
-    const CompactItem it = item_smem;
+    const Item it = item_smem;
     if (it.block < 0) return;  // no more items
     const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
     const int q0 = it.block * kBlockM;
@@ -740,20 +639,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto turn_begin = [&](int slot) {
       if (slot < pp_slots) {
         if (cw == 0)
-          named_bar_sync<1>();
+          named_bar_sync<1, 256>();
         else
-          named_bar_sync<2>();
+          named_bar_sync<2, 256>();
       }
     };
     auto turn_end = [&](int slot) {
       if (slot < pp_slots) {
         if (cw == 0)
-          named_bar_arrive<2>();
+          named_bar_arrive<2, 256>();
         else if (slot < pp_slots - 1)
-          named_bar_arrive<1>();
+          named_bar_arrive<1, 256>();
       }
     };
-    if (cw == 1 && pp_slots > 0) named_bar_arrive<1>();  // consumer 0 takes the first turn
+    if (cw == 1 && pp_slots > 0) named_bar_arrive<1, 256>();  // consumer 0 takes the first turn
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
     // loads the next item's Q while this one's last P.V and epilogue run.
@@ -1046,10 +945,20 @@ int64_t prefill_sm90_compact_items(const PrefillParams& p) {
   if (p.total_q > 0)
     blocks = std::min(blocks, (p.total_q + int64_t(kBlockM - 1) * p.num_seqs) / kBlockM);
   const int64_t items = blocks * p.heads;
-  KMLA_CHECK(items < (int64_t(1) << 31), "prefill_attention_sm90: the compact grid needs ", items,
+  KMLA_CHECK(items < (int64_t(1) << 31), "prefill_attention: the compact grid needs ", items,
              " CTAs (total_q ", p.total_q, ", max_q_len ", p.max_q_len, ", heads ", p.heads,
              "), more than 2^31 - 1");
   return items;
+}
+
+int64_t prefill_sm90_ctas(const PrefillParams& p, int64_t items, int ctas) {
+  if (ctas < 0 || p.work_counter == nullptr) return items;
+  if (ctas == 0) {
+    int device = 0;
+    KMLA_CUDA_CHECK(cudaGetDevice(&device));
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, device));
+  }
+  return std::min<int64_t>(items, ctas);
 }
 
 void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& opt,
@@ -1070,14 +979,7 @@ void prefill_attention_sm90_launch(const PrefillParams& p, const Sm90Options& op
   int64_t compact_items = 0, compact_ctas = 0;
   if (compact) {
     compact_items = prefill_sm90_compact_items(p);
-    int ctas = opt.ctas;
-    if (ctas == 0) {
-      int device = 0;
-      KMLA_CUDA_CHECK(cudaGetDevice(&device));
-      KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, device));
-    }
-    compact_ctas = ctas < 0 || p.work_counter == nullptr ? compact_items
-                                                         : std::min<int64_t>(compact_items, ctas);
+    compact_ctas = prefill_sm90_ctas(p, compact_items, opt.ctas);
     if (compact_ctas == 0) return;  // no query block in the batch
   }
   Sm90Maps maps;

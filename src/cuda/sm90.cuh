@@ -51,6 +51,18 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Named barrier kId (1..15; 0 is __syncthreads) over kCount threads (a multiple of 32): wait
+// until all have arrived, or arrive without waiting. Immediate ids, so that ptxas reserves only
+// the barriers a kernel uses.
+template <int kId, int kCount>
+__device__ __forceinline__ void named_bar_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+}
+template <int kId, int kCount>
+__device__ __forceinline__ void named_bar_arrive() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kCount) : "memory");
+}
+
 // Makes this thread's completed generic-proxy writes to shared memory (st.shared, finished
 // cp.async) visible to later async-proxy reads (wgmma operands) by any thread that
 // synchronises with it afterwards.

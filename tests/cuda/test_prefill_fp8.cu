@@ -2,9 +2,10 @@
 // against an fp64 CPU reference on the dequantised inputs. Every input buffer is NaN (code
 // 0x7F) wherever it is not an operand element, including rows past the last token, so a load
 // outside a sequence poisons the result; out and lse are poisoned before each run so missing
-// and stray writes are caught. Each case runs the public entry point and seven non-default
-// variants of the kernel (ping-pong, head groups of 3, head-major CTA order, 3 stages, f16x2
-// exponentials, the rescale at every new max).
+// and stray writes are caught. Each case runs the public entry point with and without a work
+// counter and seven non-default variants of the kernel (ping-pong, head groups of 3,
+// head-major CTA order, 3 stages, f16x2 exponentials, the rescale at every new max, 2, 3 and 7
+// persistent CTAs, one CTA per item).
 //
 // Two kinds of data:
 // * exact: every query row is one-hot (code 1 at a random one of the 192 dims) and the keys
@@ -218,29 +219,39 @@ void run_case(const Case& c) {
     return p_term + ulp1 * std::fabs(ref[i]) + 1e-6 * (mag[i] + 1e-30);
   };
 
+  // Every variant but one runs with a work counter: persistent CTAs taking items in turn
+  // (one per SM, or 2, 3 and 7 of them so that each CTA runs many items and the rings'
+  // phases carry across items); the counter must be back at zero after every launch.
   struct Variant {
     const char* name;
     bool public_entry;
     cuda::Fp8PrefillOptions opt;
+    bool counter = true;
   };
   const Variant variants[] = {
       {"public entry point", true, {}},
-      {"pingpong, head groups of 3", false, {true, 3, 2}},
-      {"head-major order, 3 stages", false, {false, 0, 3}},
+      {"public entry point, no work counter (one CTA per item)", true, {}, false},
+      {"pingpong, head groups of 3, 2 CTAs", false, {true, 3, 2, false, true, 2}},
+      {"head-major order, 3 stages, 3 CTAs", false, {false, 0, 3, false, true, 3}},
       {"pingpong, 3 stages", false, {true, 8, 3}},
-      {"f16x2 exponentials", false, {false, 8, 2, true}},
-      {"f16x2 exponentials, pingpong, 3 stages", false, {true, 8, 3, true}},
-      {"rescale at every new max", false, {false, 8, 2, false, false}},
-      {"f16x2, pingpong, rescale at every new max", false, {true, 8, 2, true, false}}};
+      {"f16x2 exponentials, 7 CTAs", false, {false, 8, 2, true, true, 7}},
+      {"f16x2 exponentials, pingpong, 3 stages, one CTA per item",
+       false,
+       {true, 8, 3, true, true, -1}},
+      {"rescale at every new max, 3 CTAs", false, {false, 8, 2, false, false, 3}},
+      {"f16x2, pingpong, rescale at every new max, 2 CTAs", false, {true, 8, 2, true, false, 2}}};
+  DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
   for (const Variant& var : variants) {
     SCOPED_TRACE(var.name);
     dev.out.fill_bytes(0xFF);
     dev.lse.fill_bytes(0xFF);
+    p.work_counter = var.counter ? counter.ptr : nullptr;
     if (var.public_entry)
       cuda::prefill_attention(p, nullptr);
     else
       cuda::prefill_attention_fp8(p, nullptr, var.opt);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(counter.download(), (std::vector<int32_t>{0, 0})) << "work counter not reset";
     const std::vector<uint16_t> out = dev.out.download();
     const std::vector<float> lse = dev.lse.download();
     std::vector<char> out_seen(out.size(), 0), lse_seen(lse.size(), 0);

@@ -1,0 +1,121 @@
+// The work items of the Hopper prefill kernels (prefill_sm90.cu for 16-bit inputs,
+// prefill_fp8_sm90.cu for e4m3): one item is one 128-row query block of one head of one
+// sequence. Both kernels walk the same item order, on the 3-D grid (16-bit, one sequence
+// without a work counter), on a 1-D grid with one CTA per item, or on persistent CTAs that
+// draw items from PrefillParams::work_counter (docs/prefill_sm90.md, "Persistent CTAs").
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention.cuh"
+#include "cuda/sm90.cuh"
+
+namespace kmla::cuda::prefill_items {
+
+constexpr int kRows = 128;  // query rows per item (both kernels' kBlockM)
+
+#if KMLA_SM90A
+
+// Keys visible to query row `row` (0-based in its sequence of n queries and m keys).
+__device__ __forceinline__ int key_limit(int row, int n, int m, bool causal) {
+  return causal ? min(max(m - n + row + 1, 0), m) : m;
+}
+
+// Item `lin` of one sequence's nbx query blocks x H heads: heads in groups of G (the last
+// group may be smaller; G = 1 is head after head), inside a group blocks slowest and heads
+// fastest, the heaviest (last) block first, so that the group's longest blocks start first
+// (LPT) while the CTAs in flight share the K/V of ~G heads in L2. Returns {head, block}.
+__device__ __forceinline__ int2 group_order(int lin, int nbx, int G, int H) {
+  const int g0 = lin / (G * nbx) * G;  // first head of the group
+  const int hs = min(G, H - g0);       // heads in this group
+  const int r = lin - g0 * nbx;        // in [0, hs * nbx)
+  return make_int2(g0 + r % hs, nbx - 1 - r / hs);
+}
+
+struct Item {
+  int block, head;  // block -1: past the batch's items (the CTA leaves)
+  int q_begin, n, k_begin, m;
+};
+constexpr Item kNoItem{-1, 0, 0, 0, 0, 0};
+
+// The 3-D grid's item for this CTA: blockIdx = (rank, head, sequence), gridDim.x the blocks
+// of the longest sequence; block -1 for the ranks a shorter sequence lacks. head_group 0
+// (blocks fastest, head after head) is the group order with G = 1.
+__device__ __forceinline__ Item grid_item(const PrefillParams& p, int head_group) {
+  const int nbx = int(gridDim.x);
+  const int2 hb =
+      group_order(int(blockIdx.y) * nbx + int(blockIdx.x), nbx, max(head_group, 1), p.heads);
+  const int seq = int(blockIdx.z);
+  Item it;
+  it.head = hb.x;
+  it.q_begin = p.cu_q[seq];
+  it.n = p.cu_q[seq + 1] - it.q_begin;
+  it.k_begin = p.cu_k[seq];
+  it.m = p.cu_k[seq + 1] - it.k_begin;
+  it.block = hb.y - (nbx - (it.n + kRows - 1) / kRows);
+  return it;
+}
+
+// Item `idx` of the 1-D list: the sequences in the caller's order, each sequence's items in
+// the 3-D grid's order, no item for blocks a sequence lacks. Warp-collective (all 32 lanes,
+// every shuffle reached by all of them): lane l reads the lengths of sequences l, l + 32, ...;
+// an inclusive warp scan of each sequence's item count (blocks x heads) finds the sequence,
+// 32 sequences per round (one round up to 32 sequences: two dependent loads of cu_q / cu_k and
+// ~10 shuffles, about what a 3-D grid CTA spends on its own two loads).
+__device__ inline Item list_item(const PrefillParams& p, int idx, int head_group) {
+  const int lane = int(threadIdx.x & 31), S = p.num_seqs, H = p.heads;
+  const int G = max(head_group, 1);
+  int rest = idx;  // items before this one in the sequences not yet passed
+#pragma unroll 1
+  for (int s0 = 0; s0 < S; s0 += 32) {
+    const int s = s0 + lane;
+    int n = 0;
+    if (s < S) n = __ldg(p.cu_q + s + 1) - __ldg(p.cu_q + s);
+    const int nb = (max(n, 0) + kRows - 1) / kRows;
+    const int items = nb * H;
+    int incl = items;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int chunk = __shfl_sync(0xffffffffu, incl, 31);
+    const unsigned hits = __ballot_sync(0xffffffffu, incl > rest);
+    if (hits != 0u) {  // warp-uniform: the item is in this round's sequences
+      const int hit = __ffs(int(hits)) - 1;
+      const int lin = rest - __shfl_sync(0xffffffffu, incl - items, hit);
+      const int nbx = __shfl_sync(0xffffffffu, nb, hit);
+      const int seq = s0 + hit;
+      const int2 hb = group_order(lin, nbx, G, H);
+      Item it;
+      it.head = hb.x;
+      it.block = hb.y;
+      it.q_begin = __ldg(p.cu_q + seq);
+      it.n = __ldg(p.cu_q + seq + 1) - it.q_begin;
+      it.k_begin = __ldg(p.cu_k + seq);
+      it.m = __ldg(p.cu_k + seq + 1) - it.k_begin;
+      return it;
+    }
+    rest -= chunk;
+  }
+  return kNoItem;  // idx past the batch's items
+}
+
+// Persistent CTAs (1-D grid of G CTAs, fewer than the items): CTA c takes item c, then item
+// G + t for every ticket t it draws from counter[0].
+__device__ __forceinline__ int draw_ticket(int32_t* counter) {
+  return int(gridDim.x) + atomicAdd(counter, 1);
+}
+// One thread of each CTA, once it has found no item left: the launch's last CTA to get here
+// (every CTA has drawn its last ticket) leaves the counter at zero for the next launch.
+__device__ __forceinline__ void leave_counter(int32_t* counter) {
+  __threadfence();
+  if (atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {
+    counter[0] = 0;
+    counter[1] = 0;
+  }
+}
+
+#endif  // KMLA_SM90A
+
+}  // namespace kmla::cuda::prefill_items
