@@ -25,14 +25,15 @@
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
 #include "cuda/prefill_fp8_sm90.cuh"
-#include "cuda/prefill_items.cuh"
+#include "cuda/prefill_sm90_common.cuh"
 #include "cuda/sm90.cuh"
 
 namespace kmla::cuda {
 namespace {
 
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
-constexpr int kBlockM = prefill_items::kRows;  // query rows per item: two consumer warpgroups of 64
+constexpr int kBlockM =
+    prefill_common::kRows;     // query rows per item: two consumer warpgroups of 64
 constexpr int kBlockN = 128;   // keys per tile
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 
@@ -86,19 +87,21 @@ struct Fp8Maps {
 
 #if KMLA_SM90A
 
-using prefill_items::draw_ticket;
-using prefill_items::Item;
-using prefill_items::key_limit;
-using prefill_items::kNoItem;
-using prefill_items::leave_counter;
-using prefill_items::list_item;
+using prefill_common::draw_ticket;
+using prefill_common::Item;
+using prefill_common::key_limit;
+using prefill_common::kNoItem;
+using prefill_common::leave_counter;
+using prefill_common::list_item;
+using prefill_common::round_index;
+using prefill_common::store_rows;
+using prefill_common::Turns;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
-using sm90::named_bar_arrive;
 using sm90::named_bar_sync;
 using sm90::scale_acc_rows;
 using sm90::smem_u32;
@@ -167,6 +170,20 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
       : "=r"(r)
       : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
   return r;
+}
+
+// P (fp32 accumulator layout) as the A fragments of the four 32-key k-steps of P.V: column
+// blocks 4kk .. 4kk + 3 packed in register order, which is the relabelled key order
+// transpose_v writes V^T in.
+__device__ __forceinline__ void pack_p_e4m3(const float (&sc)[64], uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const float* s = sc + 16 * kk;
+    pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
+    pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
+    pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
+    pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
+  }
 }
 
 // The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
@@ -311,7 +328,7 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
 #endif  // KMLA_SM90A
 
 // ---- the kernel -----------------------------------------------------------------------
-// A 1-D grid over the item list of prefill_items.cuh (one item: a 128-row query block of one
+// A 1-D grid over the item list of prefill_sm90_common.cuh (one item: a 128-row query block of one
 // head of one sequence; sequences in order, heads in groups of head_group, inside a group
 // the longest blocks first, so the CTAs in flight share the K/V of ~head_group heads in L2).
 // Without PrefillParams::work_counter one CTA per item; with it persistent CTAs (one per SM by
@@ -399,15 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int done = 0;  // tiles of the previous items: where this item's tiles sit in the rings
 #pragma unroll 1
     for (int r = 0;; ++r) {
-      int idx = int(blockIdx.x);
-      if (r > 0) {
-        if (counter == nullptr) {
-          idx = items;  // one item per CTA
-        } else {
-          named_bar_sync<3, 128>();  // warp 0's ticket of the previous round is in
-          idx = next_idx[r & 1];
-        }
-      }
+      const int idx = round_index(r, counter, items, next_idx);
       const Item it = idx < items ? list_item(p, idx, head_group) : kNoItem;
       const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
       const int head = it.head, k_begin = it.k_begin, m = it.m;
@@ -664,55 +673,23 @@ __global__ void __launch_bounds__(kThreads, 1)
           pa[kk][3] = e4m3x4_f16(q[5], q[7]);
         }
       } else {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const float* s = sc + 16 * kk;
-          pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
-          pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
-          pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
-          pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
-        }
+        pack_p_e4m3(sc, pa);
       }
     };
 
-    // Ping-pong turns over "slots": S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1).
-    // Only the first min(T0, T1) + 1 slots alternate (both consumers compute the same count),
-    // so each bar.sync meets exactly one bar.arrive: consumer 0 waits on barrier 1 and passes
-    // barrier 2, consumer 1 the reverse; consumer 1 opens with a pass on 1 and skips its last
-    // pass. Each item's turns balance, and consumer 1 opens the next item's only after its
-    // last wait of this one, which follows consumer 0's last wait on barrier 1.
-    int turns = 0;
-    if (pingpong) {
-      const int t0 = tiles_of(0), t1 = tiles_of(1);
-      turns = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
-    }
-    auto slot_begin = [&](int turn) {
-      if (turn < turns) {
-        if (cw == 0)
-          named_bar_sync<1, 256>();
-        else
-          named_bar_sync<2, 256>();
-      }
-    };
-    auto slot_end = [&](int turn) {
-      if (turn < turns) {
-        if (cw == 0)
-          named_bar_arrive<2, 256>();
-        else if (turn + 1 < turns)
-          named_bar_arrive<1, 256>();
-      }
-    };
-    if (cw == 1 && turns > 0) named_bar_arrive<1, 256>();
+    // Ping-pong (prefill_common::Turns): the consumers take turns issuing their MMAs.
+    const Turns turns(pingpong, tiles_of(0), tiles_of(1), cw);
+    turns.open();
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
     // loads the next item's Q while this one's last P.V and epilogue run.
     if (my_tiles == 0) mbar_arrive(&q_empty);
     if (my_tiles > 0) {
       mbar_wait(&k_full[slot(0)], parity(0));
-      slot_begin(0);
+      turns.begin(0);
       wgmma_fence();
       issue_s(0);
-      slot_end(0);
+      turns.end(0);
       wgmma_wait<0>();
       fence_regs(sc);
       release(&k_empty[slot(0)]);
@@ -724,7 +701,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = slot(j), sp = slot(j - 1);
         mbar_wait(&k_full[s], parity(j));
         fence_regs(o);
-        slot_begin(j);
+        turns.begin(j);
         wgmma_fence();
         issue_s(j);
         fence_regs(o);  // the multiplies below come after the S issue
@@ -734,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(&vt_full[sp], parity(j - 1));
         wgmma_fence();
         issue_pv(j - 1);
-        slot_end(j);
+        turns.end(j);
         wgmma_wait<1>();  // S(j) done (groups retire in order)
         fence_regs(sc);
         release(&k_empty[s]);
@@ -748,12 +725,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int last = my_tiles - 1;
       mbar_wait(&vt_full[slot(last)], parity(last));
       fence_regs(o);
-      slot_begin(my_tiles);
+      turns.begin(my_tiles);
       if (owe) rescale_o();
       fence_regs(o);
       wgmma_fence();
       issue_pv(last);
-      slot_end(my_tiles);
+      turns.end(my_tiles);
       wgmma_wait<0>();
       fence_regs(o);
       release(&vt_empty[slot(last)]);
@@ -767,30 +744,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       release(&vt_empty[s]);
     }
 
-    // Epilogue: out = O * scale_v / (256 l), rounded once; lse = ln(l) + scale * max.
-    if (wg_first < n) {
-      const float v_scale = __ldg(p.v_scale);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        float l = row_sum[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (row >= n) continue;
-        const bool any = l > 0.f;
-        const float f = any ? v_scale / l : 0.f;
-        const int64_t grow = int64_t(q_begin) + row;
-        T* out =
-            static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
-              pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
-        if (t == 0)
-          p.lse[grow * p.lse_row_stride + head] =
-              any ? (row_max[h] * scale_log2 + log2f(l) - p_exp) * 0.69314718055994531f : -INFINITY;
-      }
-    }
+    // Epilogue: out = O * scale_v / (2^p_exp l), rounded once; lse = ln(l) + scale * max
+    // (l without its factor 2^p_exp).
+    if (wg_first < n)
+      store_rows<T>(p, o, row_sum, row_max, scale_log2, __ldg(p.v_scale), p_exp, row0, n, q_begin,
+                    head);
     done += num_tiles;
   }
 #else
@@ -847,14 +805,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #pragma unroll
     for (int e = 0; e < 4; ++e) s_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
   uint32_t pa[4][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const float* s = sc + 16 * kk;
-    pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
-    pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
-    pa[kk][2] = e4m3x4(s[8], s[9], s[12], s[13]);
-    pa[kk][3] = e4m3x4(s[10], s[11], s[14], s[15]);
-  }
+  pack_p_e4m3(sc, pa);
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -942,7 +893,7 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
              opt.stages);
   KMLA_CHECK(opt.ctas >= -1, "prefill fp8: ctas must be -1, 0 or positive, got ", opt.ctas);
-  // The item list (prefill_items.cuh) on one CTA per item, or with a work counter on
+  // The item list (prefill_sm90_common.cuh) on one CTA per item, or with a work counter on
   // persistent CTAs (one per SM unless opt.ctas says otherwise).
   const int64_t items = prefill_sm90_compact_items(p);
   const int64_t ctas = prefill_sm90_ctas(p, items, opt.ctas);

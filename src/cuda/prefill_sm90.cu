@@ -22,7 +22,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/prefill_attention.cuh"
-#include "cuda/prefill_items.cuh"
+#include "cuda/prefill_sm90_common.cuh"
 #include "cuda/sm90.cuh"
 
 // The device code below needs wgmma and setmaxnreg, which exist only in the sm_90a target.
@@ -37,7 +37,7 @@ constexpr int kQkDim = kNopeDim + kRopeDim;  // 192
 constexpr int kVDim = 128;
 static_assert(kQkDim == 192 && kVDim == 128, "the MLA head dims the tiles are built for");
 
-constexpr int kBlockM = prefill_items::kRows;  // query rows per CTA: two consumer warpgroups of 64
+constexpr int kBlockM = prefill_common::kRows;  // query rows per CTA: two consumer warpgroups of 64
 constexpr int kBlockN = 128;  // keys per pipeline stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
@@ -91,15 +91,18 @@ struct Sm90Maps {
 // ---- PTX wrappers (sm_90a) -----------------------------------------------------------
 #if KMLA_SM90_DEVICE
 
-// The item list (prefill_items.cuh, shared with the fp8 kernel) and the mbarrier, TMA,
+// The item list (prefill_sm90_common.cuh, shared with the fp8 kernel) and the mbarrier, TMA,
 // descriptor and wgmma-group primitives (sm90.cuh, shared with the decode kernel).
-using prefill_items::draw_ticket;
-using prefill_items::grid_item;
-using prefill_items::Item;
-using prefill_items::key_limit;
-using prefill_items::kNoItem;
-using prefill_items::leave_counter;
-using prefill_items::list_item;
+using prefill_common::draw_ticket;
+using prefill_common::grid_item;
+using prefill_common::Item;
+using prefill_common::key_limit;
+using prefill_common::kNoItem;
+using prefill_common::leave_counter;
+using prefill_common::list_item;
+using prefill_common::round_index;
+using prefill_common::store_rows;
+using prefill_common::Turns;
 using sm90::desc_k_major;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
@@ -108,7 +111,6 @@ using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_wait;
-using sm90::named_bar_arrive;
 using sm90::named_bar_sync;
 using sm90::scale_acc_rows;
 using sm90::smem_u32;
@@ -442,15 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int32_t* const counter = compact ? p.work_counter : nullptr;
 #pragma unroll 1
     for (int r = 0;; ++r) {
-      int idx = int(blockIdx.x);
-      if (r > 0) {
-        if (counter == nullptr) {
-          idx = compact_items;  // one item per CTA
-        } else {
-          named_bar_sync<3, 128>();  // thread 0's ticket of the previous round is in
-          idx = next_idx[r & 1];
-        }
-      }
+      const int idx = round_index(r, counter, compact_items, next_idx);
       // Each warp finds the item itself (a few dependent loads, under the consumers' work on
       // the previous item), then waits until the consumers are done with the previous Q.
       const Item it = round_item(r, idx);
@@ -620,39 +614,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     // Ping-pong (overlapped schedule only): the two consumers take turns issuing their MMAs,
-    // one "slot" at a time: S(0); S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1), so T + 1
-    // slots for T tiles. Consumer 0 issues slot k after consumer 1 issued slot k - 1, and
-    // consumer 1 issues slot k after consumer 0 issued slot k, so while one runs its softmax
-    // the other's GEMMs are queued on the tensor cores, instead of both warpgroups drifting into
-    // step and leaving the tensor cores idle during a shared softmax phase. Only the first
-    // pp_slots = min(slots of 0, slots of 1) slots take turns (both sides compute the same
-    // number): each bar.sync then has exactly one matching bar.arrive: consumer 1 arrives on
-    // barrier 1 once up front and after each of its slots but the last, consumer 0 on barrier 2
-    // after each of its slots. No cycle with the mbarriers: a slot waits for loads that need
-    // the other consumer's releases of tiles two back, and a release never waits for a turn.
-    int pp_slots = 0;
-    if (kOverlap && pingpong) {
-      const int t0 = tiles_of(0), t1 = tiles_of(1);
-      pp_slots = t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0;
-    }
-    // Consumer c waits on barrier 1 + c and releases barrier 2 - c.
-    auto turn_begin = [&](int slot) {
-      if (slot < pp_slots) {
-        if (cw == 0)
-          named_bar_sync<1, 256>();
-        else
-          named_bar_sync<2, 256>();
-      }
-    };
-    auto turn_end = [&](int slot) {
-      if (slot < pp_slots) {
-        if (cw == 0)
-          named_bar_arrive<2, 256>();
-        else if (slot < pp_slots - 1)
-          named_bar_arrive<1, 256>();
-      }
-    };
-    if (cw == 1 && pp_slots > 0) named_bar_arrive<1, 256>();  // consumer 0 takes the first turn
+    // one slot at a time (prefill_common::Turns), so while one runs its softmax the other's
+    // GEMMs are queued on the tensor cores, instead of both warpgroups drifting into step and
+    // leaving the tensor cores idle during a shared softmax phase.
+    const Turns turns(kOverlap && pingpong, tiles_of(0), tiles_of(1), cw);
+    turns.open();
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
     // loads the next item's Q while this one's last P.V and epilogue run.
@@ -688,10 +654,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // them). `pending`: O still owes the correction of the last softmax (warp-uniform).
       bool pending = false;
       mbar_wait(&k_full[stage(0)], parity(0));
-      turn_begin(0);
+      turns.begin(0);
       wgmma_fence();
       issue_s(0);
-      turn_end(0);
+      turns.end(0);
       wgmma_wait<0>();
       fence_regs(sc);
       release(&k_empty[stage(0)]);
@@ -703,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(&k_full[st], parity(j));
         mbar_wait(&v_full[prev], parity(j - 1));
         fence_regs(o);
-        turn_begin(j);
+        turns.begin(j);
         wgmma_fence();
         issue_s(j);
         if constexpr (early_rescale) {
@@ -713,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_fence();  // O was written by ordinary instructions since the last fence
         }
         issue_pv(j - 1);
-        turn_end(j);
+        turns.end(j);
         wgmma_wait<1>();  // groups complete in order: S of tile j is done
         fence_regs(sc);
         release(&k_empty[st]);
@@ -731,12 +697,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int last = wg_tiles - 1;
       mbar_wait(&v_full[stage(last)], parity(last));
       fence_regs(o);
-      turn_begin(wg_tiles);
+      turns.begin(wg_tiles);
       if (pending) rescale_o();
       fence_regs(o);
       wgmma_fence();
       issue_pv(last);
-      turn_end(wg_tiles);
+      turns.end(wg_tiles);
       wgmma_wait<0>();
       fence_regs(o);
       release(&v_empty[stage(last)]);
@@ -752,28 +718,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
-    if (wg_active) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        float l = row_sum[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (row >= n) continue;
-        const bool any = l > 0.f;
-        const float inv = any ? 1.f / l : 0.f;
-        const int64_t grow = int64_t(q_begin) + row;
-        T* out =
-            static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
-              pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-        if (t == 0)
-          p.lse[grow * p.lse_row_stride + head] =
-              any ? (row_max[h] * scale_log2 + log2f(l)) * 0.69314718055994531f : -INFINITY;
-      }
-    }
+    if (wg_active)
+      store_rows<T>(p, o, row_sum, row_max, scale_log2, 1.f, 0.f, row0, n, q_begin, head);
     done += num_tiles;
   }
 #else

@@ -1,16 +1,18 @@
-// The work items of the Hopper prefill kernels (prefill_sm90.cu for 16-bit inputs,
-// prefill_fp8_sm90.cu for e4m3): one item is one 128-row query block of one head of one
-// sequence. Both kernels walk the same item order, on the 3-D grid (16-bit, one sequence
-// without a work counter), on a 1-D grid with one CTA per item, or on persistent CTAs that
-// draw items from PrefillParams::work_counter (docs/prefill_sm90.md, "Persistent CTAs").
+// Pieces shared by the Hopper prefill kernels (prefill_sm90.cu for 16-bit inputs,
+// prefill_fp8_sm90.cu for e4m3): the work items, the consumers' ping-pong turns and the
+// epilogue. One item is one 128-row query block of one head of one sequence. Both kernels
+// walk the same item order, on the 3-D grid (16-bit, one sequence without a work counter), on
+// a 1-D grid with one CTA per item, or on persistent CTAs that draw items from
+// PrefillParams::work_counter (docs/prefill_sm90.md, "Persistent CTAs").
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention.cuh"
+#include "cuda/common.cuh"
 #include "cuda/sm90.cuh"
 
-namespace kmla::cuda::prefill_items {
+namespace kmla::cuda::prefill_common {
 
 constexpr int kRows = 128;  // query rows per item (both kernels' kBlockM)
 
@@ -106,6 +108,17 @@ __device__ inline Item list_item(const PrefillParams& p, int idx, int head_group
 __device__ __forceinline__ int draw_ticket(int32_t* counter) {
   return int(gridDim.x) + atomicAdd(counter, 1);
 }
+// All 128 producer threads (named barrier 3), at the start of round r: the list index of the
+// round's item. Round 0 takes item blockIdx.x; with a counter, round r > 0 takes the ticket
+// that producer thread 0 drew during round r - 1 and left in next_idx[r & 1] (shared memory);
+// without one, `items` (past the list: one item per CTA).
+__device__ __forceinline__ int round_index(int r, const int32_t* counter, int items,
+                                           const int* next_idx) {
+  if (r == 0) return int(blockIdx.x);
+  if (counter == nullptr) return items;
+  sm90::named_bar_sync<3, 128>();  // thread 0's ticket of the previous round is in
+  return next_idx[r & 1];
+}
 // One thread of each CTA, once it has found no item left: the launch's last CTA to get here
 // (every CTA has drawn its last ticket) leaves the counter at zero for the next launch.
 __device__ __forceinline__ void leave_counter(int32_t* counter) {
@@ -116,6 +129,74 @@ __device__ __forceinline__ void leave_counter(int32_t* counter) {
   }
 }
 
+// Ping-pong between the two consumer warpgroups (cw 0, 1) over one item's "slots" (S(0);
+// S(j) + P.V(j - 1) for j = 1 .. T - 1; P.V(T - 1)), on named barriers 1 and 2: consumer 0
+// waits on barrier 1 and passes barrier 2, consumer 1 the reverse. Only the first
+// min(T0, T1) + 1 slots alternate (both consumers compute the same count), so each bar.sync
+// meets exactly one bar.arrive; consumer 1 opens with a pass on 1 (open()) and skips its last
+// pass. Each item's turns balance, and consumer 1 opens the next item only after its last
+// wait of this one, which follows consumer 0's last wait on barrier 1. No cycle with the
+// mbarriers: a slot waits for loads that need the other consumer's releases of tiles two
+// back, and a release never waits for a turn.
+struct Turns {
+  int slots, cw;
+  // t0, t1: the tiles each consumer computes; on: ping-pong wanted.
+  __device__ __forceinline__ Turns(bool on, int t0, int t1, int consumer)
+      : slots(on && t0 > 0 && t1 > 0 ? min(t0, t1) + 1 : 0), cw(consumer) {}
+  __device__ __forceinline__ void open() const {
+    if (cw == 1 && slots > 0) sm90::named_bar_arrive<1, 256>();  // consumer 0 goes first
+  }
+  __device__ __forceinline__ void begin(int slot) const {
+    if (slot < slots) {
+      if (cw == 0)
+        sm90::named_bar_sync<1, 256>();
+      else
+        sm90::named_bar_sync<2, 256>();
+    }
+  }
+  __device__ __forceinline__ void end(int slot) const {
+    if (slot < slots) {
+      if (cw == 0)
+        sm90::named_bar_arrive<2, 256>();
+      else if (slot + 1 < slots)
+        sm90::named_bar_arrive<1, 256>();
+    }
+  }
+};
+
+// A consumer thread's epilogue (the accumulator layout of sm90.cuh: rows row0 and row0 + 8
+// of its sequence, columns 8i + 2t, + 1): out = O * out_scale / l rounded once to T, lse =
+// (max * scale_log2 + log2 l - lse_offset) ln 2; a row without a visible key gets 0 and -inf,
+// rows past n nothing. row_sum is this lane's share of l; the four lanes of a row add theirs
+// here (all 32 lanes must call it).
+template <class T>
+__device__ __forceinline__ void store_rows(const PrefillParams& p, const float (&o)[64],
+                                           const float (&row_sum)[2], const float (&row_max)[2],
+                                           float scale_log2, float out_scale, float lse_offset,
+                                           int row0, int n, int q_begin, int head) {
+  const int t = int(threadIdx.x & 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (row >= n) continue;
+    const bool any = l > 0.f;
+    const float f = any ? out_scale / l : 0.f;
+    const int64_t grow = int64_t(q_begin) + row;
+    T* out = static_cast<T*>(p.out) + grow * p.out_row_stride + int64_t(head) * p.out_head_stride;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<uint32_t*>(out + 8 * i + 2 * t) =
+          pack2<T>(o[4 * i + 2 * h] * f, o[4 * i + 2 * h + 1] * f);
+    if (t == 0)
+      p.lse[grow * p.lse_row_stride + head] =
+          any ? (row_max[h] * scale_log2 + log2f(l) - lse_offset) * 0.69314718055994531f
+              : -INFINITY;
+  }
+}
+
 #endif  // KMLA_SM90A
 
-}  // namespace kmla::cuda::prefill_items
+}  // namespace kmla::cuda::prefill_common
