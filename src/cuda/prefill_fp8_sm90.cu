@@ -883,6 +883,8 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
                                   cudaStream_t stream) {
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
              "prefill fp8: head_group must be in [0, 128], got ", opt.head_group);
+  KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
+             opt.stages);
   Fp8Maps maps;
   std::memset(&maps, 0, sizeof maps);
   encode_map(&maps.q_nope, p.q, 0, kNope, p.heads, "q");
@@ -890,9 +892,6 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   encode_map(&maps.k_nope, p.k_nope, 0, kNope, p.heads, "k_nope");
   encode_map(&maps.k_rope, p.k_rope, 0, kRope, p.heads, "k_rope");
   encode_map(&maps.v, p.v, 0, kVDim, p.heads, "v");
-  KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
-             opt.stages);
-  KMLA_CHECK(opt.ctas >= -1, "prefill fp8: ctas must be -1, 0 or positive, got ", opt.ctas);
   // The item list (prefill_sm90_common.cuh) on one CTA per item, or with a work counter on
   // persistent CTAs (one per SM unless opt.ctas says otherwise).
   const int64_t items = prefill_sm90_compact_items(p);

@@ -898,6 +898,7 @@ int64_t prefill_sm90_compact_items(const PrefillParams& p) {
 }
 
 int64_t prefill_sm90_ctas(const PrefillParams& p, int64_t items, int ctas) {
+  KMLA_CHECK(ctas >= -1, "prefill_attention: ctas must be -1, 0 or positive, got ", ctas);
   if (ctas < 0 || p.work_counter == nullptr) return items;
   if (ctas == 0) {
     int device = 0;

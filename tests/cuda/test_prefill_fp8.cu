@@ -463,6 +463,43 @@ TEST(CudaPrefillFp8, ProbeBuildingBlocks) {
 }
 
 // Host-side validation: runs without a GPU (the checks come before any CUDA call).
+// Variant options out of range are errors naming them, raised before any launch.
+TEST(CudaPrefillFp8, RejectsBadOptions) {
+  KMLA_REQUIRE_FP8_GPU();
+  const int H = 3, n = 130;
+  const std::vector<int32_t> cu = seq_offsets({n});
+  test::PrefillLayout<uint8_t> lay(H, false, true, n + kPadRows, n + kPadRows, kNanCode);
+  test::PrefillBuffers<uint8_t> dev(lay, H, cu, cu, n + kPadRows);
+  DevBuf<float> scales(std::vector<float>{1.f, 1.f, 1.f});
+  DevBuf<int32_t> counter(std::vector<int32_t>{0, 0});
+  cuda::PrefillParams& p = dev.params;
+  p.max_q_len = n;
+  p.fp8 = true;
+  p.q_scale = scales.ptr;
+  p.k_scale = scales.ptr + 1;
+  p.v_scale = scales.ptr + 2;
+  p.work_counter = counter.ptr;
+  auto expect_error = [&](const cuda::Fp8PrefillOptions& opt, const std::string& needle) {
+    try {
+      cuda::prefill_attention_fp8(p, nullptr, opt);
+      ADD_FAILURE() << "no error, expected one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  cuda::Fp8PrefillOptions opt;
+  opt.ctas = -2;
+  expect_error(opt, "ctas must be -1, 0 or positive, got -2");
+  opt = {};
+  opt.stages = 4;
+  expect_error(opt, "stages must be 2 or 3, got 4");
+  opt = {};
+  opt.head_group = 129;
+  expect_error(opt, "head_group must be in [0, 128], got 129");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(counter.download(), (std::vector<int32_t>{0, 0}));
+}
+
 TEST(CudaPrefillFp8, RejectsBadParams) {
   alignas(16) static uint8_t buf[1024];
   static float scales[3];
