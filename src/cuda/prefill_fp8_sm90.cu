@@ -32,8 +32,8 @@ namespace kmla::cuda {
 namespace {
 
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
-constexpr int kBlockM =
-    prefill_common::kRows;     // query rows per item: two consumer warpgroups of 64
+// Query rows per item: two consumer warpgroups of 64.
+constexpr int kBlockM = prefill_common::kRows;
 constexpr int kBlockN = 128;   // keys per tile
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 
@@ -660,8 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       return __any_sync(0xffffffffu, moved);
     };
     auto rescale_o = [&] { scale_acc_rows(o, corr); };
-    // The A fragment of k-step kk (keys 32kk..) straight from the accumulator: column blocks
-    // 4kk .. 4kk + 3, in the relabelled key order transpose_v writes V^T in.
+    // P as the A fragments of P.V (pack_p_e4m3; with kExp16 from the f16x2 values, same order).
     auto pack_p = [&] {
       if constexpr (kExp16) {
 #pragma unroll

@@ -37,7 +37,8 @@ constexpr int kQkDim = kNopeDim + kRopeDim;  // 192
 constexpr int kVDim = 128;
 static_assert(kQkDim == 192 && kVDim == 128, "the MLA head dims the tiles are built for");
 
-constexpr int kBlockM = prefill_common::kRows;  // query rows per CTA: two consumer warpgroups of 64
+// Query rows per item (one CTA's block): two consumer warpgroups of 64.
+constexpr int kBlockM = prefill_common::kRows;
 constexpr int kBlockN = 128;  // keys per pipeline stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
