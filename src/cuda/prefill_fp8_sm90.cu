@@ -93,6 +93,7 @@ using prefill_common::key_limit;
 using prefill_common::kNoItem;
 using prefill_common::leave_counter;
 using prefill_common::list_item;
+using prefill_common::pass_tiles;
 using prefill_common::round_index;
 using prefill_common::store_rows;
 using prefill_common::Turns;
@@ -734,14 +735,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_regs(o);
       release(&vt_empty[slot(last)]);
     }
-    // Tiles none of this warpgroup's rows see: keep the barrier phases in step.
-    for (int j = my_tiles; j < num_tiles; ++j) {
-      const int s = slot(j);
-      mbar_wait(&k_full[s], parity(j));
-      release(&k_empty[s]);
-      mbar_wait(&vt_full[s], parity(j));
-      release(&vt_empty[s]);
-    }
+    pass_tiles<kStages>(my_tiles, num_tiles, done, k_full, k_empty, vt_full, vt_empty);
 
     // Epilogue: out = O * scale_v / (2^p_exp l), rounded once; lse = ln(l) + scale * max
     // (l without its factor 2^p_exp).

@@ -101,6 +101,7 @@ using prefill_common::key_limit;
 using prefill_common::kNoItem;
 using prefill_common::leave_counter;
 using prefill_common::list_item;
+using prefill_common::pass_tiles;
 using prefill_common::round_index;
 using prefill_common::store_rows;
 using prefill_common::Turns;
@@ -708,15 +709,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_regs(o);
       release(&v_empty[stage(last)]);
     }
-    // Tiles none of this warpgroup's rows can see (the causal tail of the first warpgroup, or
-    // all of them for a warpgroup past the sequence): only keep the barrier phases in step.
-    for (int j = wg_tiles; j < num_tiles; ++j) {
-      const int st = stage(j);
-      mbar_wait(&k_full[st], parity(j));
-      release(&k_empty[st]);
-      mbar_wait(&v_full[st], parity(j));
-      release(&v_empty[st]);
-    }
+    pass_tiles<kStages>(wg_tiles, num_tiles, done, k_full, k_empty, v_full, v_empty);
 
     // Epilogue: O / l rounded once to T; lse = ln(l) + scale * max; rows with no key: 0, -inf.
     if (wg_active)

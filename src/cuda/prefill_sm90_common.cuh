@@ -164,6 +164,26 @@ struct Turns {
   }
 };
 
+// A consumer warp's pass over the item's tiles [from, to) that none of its warpgroup's rows
+// see (the causal tail of the first warpgroup, or all tiles for a warpgroup past the
+// sequence): wait for each tile's K and V and release them at once, which keeps the rings'
+// barrier phases in step. done: the tiles of the CTA's previous items (the ring position).
+template <int kStages>
+__device__ __forceinline__ void pass_tiles(int from, int to, int done, uint64_t* k_full,
+                                           uint64_t* k_empty, uint64_t* v_full, uint64_t* v_empty) {
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  for (int j = from; j < to; ++j) {
+    const int gj = done + j, s = gj % kStages;
+    const uint32_t parity = uint32_t((gj / kStages) & 1);
+    sm90::mbar_wait(&k_full[s], parity);
+    __syncwarp();
+    if (lane0) sm90::mbar_arrive(&k_empty[s]);
+    sm90::mbar_wait(&v_full[s], parity);
+    __syncwarp();
+    if (lane0) sm90::mbar_arrive(&v_empty[s]);
+  }
+}
+
 // A consumer thread's epilogue (the accumulator layout of sm90.cuh: rows row0 and row0 + 8
 // of its sequence, columns 8i + 2t, + 1): out = O * out_scale / l rounded once to T, lse =
 // (max * scale_log2 + log2 l - lse_offset) ln 2; a row without a visible key gets 0 and -inf,
