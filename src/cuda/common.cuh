@@ -76,6 +76,41 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// One online-softmax step (base 2) of a thread's two rows over NB column blocks of the
+// mma accumulator layout (v[4i + 2h], v[4i + 2h + 1]: row h of block i; masked scores -inf),
+// as both 16-bit prefill kernels run it: the rows' new maxima (over the 4 lanes of a row),
+// p = 2^(s * scale_log2 - max * scale_log2) in place, l = l * correction + sum p, and the
+// correction 2^(old max - new max) of O. A row with no visible key yet keeps max -inf and
+// subtracts 0 instead, so its p = 2^-inf = 0 (not NaN). Returns whether a row of this thread
+// moved its max (correction exactly 1 otherwise).
+template <int NB>
+__device__ __forceinline__ bool online_softmax_rows(float* v, float (&row_max)[2],
+                                                    float (&row_sum)[2], float (&correction)[2],
+                                                    float scale_log2) {
+  bool moved = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = row_max[h];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) mx = fmaxf(mx, fmaxf(v[4 * i + 2 * h], v[4 * i + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+    correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
+    moved |= mx != row_max[h];
+    row_max[h] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      v[4 * i + 2 * h] = fast_exp2(fmaf(v[4 * i + 2 * h], scale_log2, -mx_scaled));
+      v[4 * i + 2 * h + 1] = fast_exp2(fmaf(v[4 * i + 2 * h + 1], scale_log2, -mx_scaled));
+      sum += v[4 * i + 2 * h] + v[4 * i + 2 * h + 1];
+    }
+    row_sum[h] = row_sum[h] * correction[h] + sum;
+  }
+  return moved;
+}
+
 // e4m3 code -> fp32, exact.
 __device__ __forceinline__ float e4m3_value(uint8_t c) {
   __nv_fp8_e4m3 v;

@@ -322,30 +322,8 @@ __global__ void __launch_bounds__(Tiling<kRows>::kThreads, Tiling<kRows>::kCtasP
 
     // Online softmax in base 2: p = 2^(s * scale_log2 - m * scale_log2), one FFMA + EX2.
     float correction[2];
-    bool max_moved = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // h = 0: row g, h = 1: row g + 8
-      float mx = row_max[h];
-#pragma unroll
-      for (int nt = 0; nt < kBlockK / 8; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps its
-      // p = 2^-inf = 0 (not NaN), and its correction 2^(-inf) = 0 multiplies zeros.
-      const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
-      max_moved |= mx != row_max[h];
-      row_max[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBlockK / 8; ++nt) {
-        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -mx_scaled));
-        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -mx_scaled));
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      row_sum[h] = row_sum[h] * correction[h] + sum;
-    }
+    const bool max_moved =
+        online_softmax_rows<kBlockK / 8>(&s[0][0], row_max, row_sum, correction, scale_log2);
     // An unchanged max has correction exactly 2^0 = 1, so the 64 FMULs of the O rescale are
     // skipped unless some row of the warp got a new max (the vote keeps the branch uniform).
     // Late tiles of long rows rarely raise the max. A row whose max stays -inf has O = 0.

@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_rs<T>(o, pa[kk], desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
       wgmma_commit();
     };
-    // Mask and online softmax of tile j in place on sc (base 2, see the mma.sync kernel);
+    // Mask and online softmax of tile j in place on sc (base 2, online_softmax_rows);
     // sets correction[] and returns whether any row of the warp moved its max (O needs it).
     auto softmax = [&](int j) {
       const int key0 = j * kBlockN;
@@ -577,29 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      bool max_moved = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[h];
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row with no visible key yet keeps max -inf; subtracting 0 keeps p = 0, not NaN.
-        const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        correction[h] = fast_exp2(row_max[h] * scale_log2 - mx_scaled);
-        max_moved |= mx != row_max[h];
-        row_max[h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, -mx_scaled));
-          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, -mx_scaled));
-          sum += sc[4 * i + 2 * h] + sc[4 * i + 2 * h + 1];
-        }
-        row_sum[h] = row_sum[h] * correction[h] + sum;
-      }
+      const bool max_moved = online_softmax_rows<16>(sc, row_max, row_sum, correction, scale_log2);
       return __any_sync(0xffffffffu, max_moved);
     };
     auto rescale_o = [&] { scale_acc_rows(o, correction); };
