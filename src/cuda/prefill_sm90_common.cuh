@@ -1,8 +1,9 @@
 // Pieces shared by the Hopper prefill kernels (prefill_sm90.cu for 16-bit inputs,
-// prefill_fp8_sm90.cu for e4m3): the work items, the consumers' ping-pong turns and the
-// epilogue. One item is one 128-row query block of one head of one sequence. Both kernels
-// walk the same item order, on the 3-D grid (16-bit, one sequence without a work counter), on
-// a 1-D grid with one CTA per item, or on persistent CTAs that draw items from
+// prefill_fp8_sm90.cu for e4m3): the work items and the producer's rounds and tickets, the
+// consumers' ping-pong turns, their pass over tiles they do not see, and the epilogue. One
+// item is one 128-row query block of one head of one sequence. Both kernels walk the same
+// item order, on the 3-D grid (16-bit, one sequence without a work counter), on a 1-D grid
+// with one CTA per item, or on persistent CTAs that draw items from
 // PrefillParams::work_counter (docs/prefill_sm90.md, "Persistent CTAs").
 #pragma once
 
