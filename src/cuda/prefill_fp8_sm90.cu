@@ -34,7 +34,7 @@ namespace {
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
 // Query rows per item: two consumer warpgroups of 64.
 constexpr int kBlockM = prefill_common::kRows;
-constexpr int kBlockN = 128;   // keys per tile
+constexpr int kBlockN = prefill_common::kKeys;  // keys per tile
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 
 // Shared memory, all from a 1024-byte-aligned base. An e4m3 element is one byte, so a
@@ -89,6 +89,7 @@ struct Fp8Maps {
 
 using prefill_common::draw_ticket;
 using prefill_common::Item;
+using prefill_common::item_tiles;
 using prefill_common::key_limit;
 using prefill_common::kNoItem;
 using prefill_common::leave_counter;
@@ -97,6 +98,7 @@ using prefill_common::pass_tiles;
 using prefill_common::round_index;
 using prefill_common::store_rows;
 using prefill_common::Turns;
+using prefill_common::warpgroup_tiles;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
 using sm90::mbar_arrive;
@@ -388,10 +390,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto stage = [&](int gj) { return base + kQBytes + (gj % kStages) * kStageBytes; };
   auto use_parity = [](int gj) { return uint32_t((gj / kStages) & 1); };
   const bool causal = p.causal;
-  auto tiles_of_item = [&](const Item& it) {
-    const int last_row = min(it.block * kBlockM + kBlockM, it.n) - 1;
-    return (key_limit(last_row, it.n, it.m, causal) + kBlockN - 1) / kBlockN;
-  };
 
   const int tid = int(threadIdx.x), wg = tid / 128, wtid = tid & 127;
   const int warp = wtid / 32, lane = tid & 31;
@@ -419,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0;; ++r) {
       const int idx = round_index(r, counter, items, next_idx);
       const Item it = idx < items ? list_item(p, idx, head_group) : kNoItem;
-      const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
+      const int num_tiles = it.block < 0 ? 0 : item_tiles(it, causal);
       const int head = it.head, k_begin = it.k_begin, m = it.m;
       if (warp == 0) {
         // The item and its Q once the consumers are done with the previous Q, then the K ring.
@@ -547,14 +545,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it.block < 0) return;  // no more items
     const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
     const int q0 = it.block * kBlockM;
-    const int num_tiles = tiles_of_item(it);
-    // Tiles holding a key that some row of consumer c sees: a prefix of the item's tiles.
-    auto tiles_of = [&](int c) {
-      const int first = q0 + 64 * c;
-      if (first >= n) return 0;
-      return (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN;
-    };
-    const int my_tiles = tiles_of(cw);
+    const int num_tiles = item_tiles(it, causal);
+    const int my_tiles = warpgroup_tiles(it, cw, causal);
     const int wg_first = q0 + 64 * cw;
     const int min_visible = key_limit(wg_first, n, m, causal);  // fewest keys any row sees
     const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
@@ -678,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     // Ping-pong (prefill_common::Turns): the consumers take turns issuing their MMAs.
-    const Turns turns(pingpong, tiles_of(0), tiles_of(1), cw);
+    const Turns turns(pingpong, warpgroup_tiles(it, 0, causal), warpgroup_tiles(it, 1, causal), cw);
     turns.open();
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then

@@ -39,7 +39,7 @@ static_assert(kQkDim == 192 && kVDim == 128, "the MLA head dims the tiles are bu
 
 // Query rows per item (one CTA's block): two consumer warpgroups of 64.
 constexpr int kBlockM = prefill_common::kRows;
-constexpr int kBlockN = 128;  // keys per pipeline stage
+constexpr int kBlockN = prefill_common::kKeys;  // keys per pipeline stage
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
 
@@ -97,6 +97,7 @@ struct Sm90Maps {
 using prefill_common::draw_ticket;
 using prefill_common::grid_item;
 using prefill_common::Item;
+using prefill_common::item_tiles;
 using prefill_common::key_limit;
 using prefill_common::kNoItem;
 using prefill_common::leave_counter;
@@ -105,6 +106,7 @@ using prefill_common::pass_tiles;
 using prefill_common::round_index;
 using prefill_common::store_rows;
 using prefill_common::Turns;
+using prefill_common::warpgroup_tiles;
 using sm90::desc_k_major;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
@@ -330,10 +332,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!compact) return r == 0 ? grid_item(p, head_group) : kNoItem;
     return idx < compact_items ? list_item(p, idx, head_group) : kNoItem;
   };
-  auto tiles_of_item = [&](const Item& it) {
-    const int last_row = min(it.block * kBlockM + kBlockM, it.n) - 1;
-    return (key_limit(last_row, it.n, it.m, causal) + kBlockN - 1) / kBlockN;
-  };
   __shared__ Item item_smem;
   // Compact grid with a work counter (G CTAs, fewer than the items): CTA c takes item c,
   // then G + the tickets it draws from p.work_counter[0], one per item, drawn by producer
@@ -452,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Item it = round_item(r, idx);
       if (r > 0) mbar_wait(&q_empty, uint32_t((r - 1) & 1));
       if (wtid == 0) item_smem = it;  // published by the q_full arrival below
-      const int num_tiles = it.block < 0 ? 0 : tiles_of_item(it);
+      const int num_tiles = it.block < 0 ? 0 : item_tiles(it, causal);
       if (num_tiles == 0) {
         // No more items, or a block whose rows see no key: no Q to load, only the item.
         if (!tma || wtid == 0) mbar_arrive(&q_full);
@@ -517,18 +515,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it.block < 0) return;  // no more items
     const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
     const int q0 = it.block * kBlockM;
-    const int num_tiles = tiles_of_item(it);
+    const int num_tiles = item_tiles(it, causal);
     const int wg_first = q0 + 64 * cw;  // first row of this warpgroup (in the sequence)
     const bool wg_active = wg_first < n;
     const int wg_min_limit = key_limit(wg_first, n, m, causal);
-    // Tiles with a key visible to some row of consumer c: a prefix [0, tiles) of the CTA's
-    // tiles (causal limits grow with the row).
-    auto tiles_of = [&](int c) {
-      const int first = q0 + 64 * c;
-      return first < n ? (key_limit(min(first + 63, n - 1), n, m, causal) + kBlockN - 1) / kBlockN
-                       : 0;
-    };
-    const int wg_tiles = tiles_of(cw);
+    const int wg_tiles = warpgroup_tiles(it, cw, causal);
     const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
     const int row_limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
     const uint32_t q_wg = q_smem + cw * 64 * kPanelRowBytes;
@@ -597,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // one slot at a time (prefill_common::Turns), so while one runs its softmax the other's
     // GEMMs are queued on the tensor cores, instead of both warpgroups drifting into step and
     // leaving the tensor cores idle during a shared softmax phase.
-    const Turns turns(kOverlap && pingpong, tiles_of(0), tiles_of(1), cw);
+    const Turns turns(kOverlap && pingpong, warpgroup_tiles(it, 0, causal), warpgroup_tiles(it, 1, causal), cw);
     turns.open();
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
