@@ -113,15 +113,24 @@ using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 using sm90::wgmma_wait;
 
-// K-major operand descriptors. SW128: rows of 128 bytes, 8-row groups 1024 bytes apart.
-// SW64 (swizzle mode 2): rows of 64 bytes, 8-row groups 512 bytes apart. A k-step of 32 e4m3
-// elements is 32 bytes along the row in either.
+// K-major operand descriptors (sm90::make_desc's fields) as two 32-bit halves. SW128: rows of
+// 128 bytes, 8-row groups 1024 bytes apart (swizzle mode 1). SW64: rows of 64 bytes, 8-row
+// groups 512 bytes apart (mode 2). A k-step of 32 e4m3 elements is 32 bytes along the row in
+// either, i.e. 2 in the low half: shared addresses stay below 2^18, so the low half (start
+// address >> 4 in bits 0-13, the leading offset 16 B >> 4 at bit 16) is linear in the address
+// and the consumers form each descriptor of a tile by one add to a low half computed once,
+// instead of masking and shifting its address per MMA on their critical path.
+constexpr uint32_t kDescHi128 = (1024 >> 4) | (1u << 30);
+constexpr uint32_t kDescHi64 = (512 >> 4) | (2u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t desc(uint32_t lo, uint32_t hi) {
+  return (uint64_t(hi) << 32) | lo;
+}
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return sm90::make_desc(addr, 16, 1024);
+  return desc(desc_lo(addr), kDescHi128);
 }
 __device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(512 >> 4) << 32) |
-         (uint64_t(2) << 62);
+  return desc(desc_lo(addr), kDescHi64);
 }
 
 #define KMLA_FP8_D64                                                                       \
@@ -386,9 +395,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes;
-  // Ring position of the CTA's tile gj (counted over all its items so far).
-  auto stage = [&](int gj) { return base + kQBytes + (gj % kStages) * kStageBytes; };
-  auto use_parity = [](int gj) { return uint32_t((gj / kStages) & 1); };
+  // Ring position of the CTA's tile gj (counted over all its items so far; unsigned, so that
+  // the modulo is a mask for 2 stages).
+  auto stage = [&](uint32_t gj) { return base + kQBytes + (gj % kStages) * kStageBytes; };
+  auto use_parity = [](uint32_t gj) { return (gj / kStages) & 1u; };
   const bool causal = p.causal;
 
   const int tid = int(threadIdx.x), wg = tid / 128, wtid = tid & 127;
@@ -533,10 +543,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // P's e4m3 codes are 2^p_exp p: 256 p (p <= 1) with the exact max, 128 p (p <= 2, the
   // margin) with the lazy one; either way at most 256 < 448, the largest e4m3 value.
   const float p_exp = lazy ? 8.f - kLazyMargin : 8.f;
-  auto release = [&](uint64_t* bar) {
+  auto release = [&](uint32_t bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
+  // Shared addresses and descriptor halves the tile loop needs, computed once (see desc_lo).
+  const uint32_t k_full_a = smem_u32(k_full), k_empty_a = smem_u32(k_empty);
+  const uint32_t vt_full_a = smem_u32(vt_full), vt_empty_a = smem_u32(vt_empty);
+  const uint32_t q_empty_a = smem_u32(&q_empty);
+  const uint32_t q_nope_lo = desc_lo(q_nope_s + cw * 64 * 128);
+  const uint32_t q_rope_lo = desc_lo(q_rope_s + cw * 64 * 64);
+  const uint32_t ring_lo = desc_lo(base + kQBytes);  // stage s: + s * kStageBytes / 16
   int done = 0;  // tiles of the previous items (the producer's count)
 #pragma unroll 1
   for (int r = 0;; ++r) {
@@ -551,10 +568,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int min_visible = key_limit(wg_first, n, m, causal);  // fewest keys any row sees
     const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
     const int limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
-    const uint32_t q_nope_wg = q_nope_s + cw * 64 * 128, q_rope_wg = q_rope_s + cw * 64 * 64;
     // Tile j of this item: its ring slot and that slot's phase.
-    auto slot = [&](int j) { return (done + j) % kStages; };
-    auto parity = [&](int j) { return use_parity(done + j); };
+    auto slot = [&](int j) { return uint32_t(done + j) % kStages; };
+    auto parity = [&](int j) { return use_parity(uint32_t(done + j)); };
 
     float o[64];
 #pragma unroll
@@ -567,21 +583,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     float corr[2] = {1.f, 1.f};
 
     auto issue_s = [&](int j) {
-      const uint32_t st = stage(done + j);
+      const uint32_t st = ring_lo + slot(j) * (kStageBytes >> 4);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_e4m3_ss(sc, desc_sw128(q_nope_wg + 32 * kk), desc_sw128(st + kKNopeOff + 32 * kk),
-                      kk > 0);
+        wgmma_e4m3_ss(sc, desc(q_nope_lo + 2 * kk, kDescHi128),
+                      desc(st + (kKNopeOff >> 4) + 2 * kk, kDescHi128), kk > 0);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
-        wgmma_e4m3_ss(sc, desc_sw64(q_rope_wg + 32 * kk), desc_sw64(st + kKRopeOff + 32 * kk),
-                      true);
+        wgmma_e4m3_ss(sc, desc(q_rope_lo + 2 * kk, kDescHi64),
+                      desc(st + (kKRopeOff >> 4) + 2 * kk, kDescHi64), true);
       wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-      const uint32_t vt = stage(done + j) + kVtOff;
+      const uint32_t vt = ring_lo + slot(j) * (kStageBytes >> 4) + (kVtOff >> 4);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(vt + 32 * kk));
+      for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc(vt + 2 * kk, kDescHi128));
       wgmma_commit();
     };
     // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
@@ -675,23 +691,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
     // loads the next item's Q while this one's last P.V and epilogue run.
-    if (my_tiles == 0) mbar_arrive(&q_empty);
+    if (my_tiles == 0) mbar_arrive(q_empty_a);
     if (my_tiles > 0) {
-      mbar_wait(&k_full[slot(0)], parity(0));
+      mbar_wait(k_full_a + 8 * slot(0), parity(0));
       turns.begin(0);
       wgmma_fence();
       issue_s(0);
       turns.end(0);
       wgmma_wait<0>();
       fence_regs(sc);
-      release(&k_empty[slot(0)]);
-      if (my_tiles == 1) mbar_arrive(&q_empty);
+      release(k_empty_a + 8 * slot(0));
+      if (my_tiles == 1) mbar_arrive(q_empty_a);
       softmax(0);  // O is still zero: no rescale owed
       pack_p();
       bool owe = false;  // O still needs corr of the last softmax
       for (int j = 1; j < my_tiles; ++j) {
-        const int s = slot(j), sp = slot(j - 1);
-        mbar_wait(&k_full[s], parity(j));
+        const uint32_t s = slot(j), sp = slot(j - 1);
+        mbar_wait(k_full_a + 8 * s, parity(j));
         fence_regs(o);
         turns.begin(j);
         wgmma_fence();
@@ -700,22 +716,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (owe) rescale_o();
         fence_regs(o);
         // V^T of tile j - 1 only now: S(j) need not wait for the transposers.
-        mbar_wait(&vt_full[sp], parity(j - 1));
+        mbar_wait(vt_full_a + 8 * sp, parity(j - 1));
         wgmma_fence();
         issue_pv(j - 1);
         turns.end(j);
         wgmma_wait<1>();  // S(j) done (groups retire in order)
         fence_regs(sc);
-        release(&k_empty[s]);
-        if (j == my_tiles - 1) mbar_arrive(&q_empty);
+        release(k_empty_a + 8 * s);
+        if (j == my_tiles - 1) mbar_arrive(q_empty_a);
         owe = softmax(j);
         wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
         fence_regs(o);
-        release(&vt_empty[sp]);
+        release(vt_empty_a + 8 * sp);
         pack_p();
       }
       const int last = my_tiles - 1;
-      mbar_wait(&vt_full[slot(last)], parity(last));
+      mbar_wait(vt_full_a + 8 * slot(last), parity(last));
       fence_regs(o);
       turns.begin(my_tiles);
       if (owe) rescale_o();
@@ -725,7 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       turns.end(my_tiles);
       wgmma_wait<0>();
       fence_regs(o);
-      release(&vt_empty[slot(last)]);
+      release(vt_empty_a + 8 * slot(last));
     }
     pass_tiles<kStages>(my_tiles, num_tiles, done, k_full, k_empty, vt_full, vt_empty);
 

@@ -83,15 +83,18 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, int arrivals) {
 __device__ __forceinline__ void mbar_inval(uint64_t* bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
-                   smem_u32(bar))
+// The waits and arrivals also take the barrier's shared-memory address: a loop that computes
+// it once keeps the generic-to-shared conversion (S2UR of the CTA id and address arithmetic)
+// off its critical path.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
                : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { mbar_arrive(smem_u32(bar)); }
 // Waits for the phase of `bar` with parity `parity` to complete. A wait still pending after
 // 2^26 polls (seconds) means a broken pipeline: trap, so the launch fails visibly instead of
 // hanging the GPU.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       " .reg .pred ready, stuck;\n"
@@ -105,9 +108,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       " @stuck trap;\n"
       " bra poll_%=;\n"
       "done_%=:\n"
-      "}\n" ::"r"(smem_u32(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  mbar_wait(smem_u32(bar), parity);
 }
 
 // Arrives on `bar` and raises its transaction count by `bytes` in one step: the phase then
