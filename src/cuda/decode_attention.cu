@@ -1136,13 +1136,14 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
   // __syncwarp stand between the copy and the reads: no CTA-wide wait for the slowest of the
   // tile's 2,304 copies. Lane l resolves key l (one block-table read and one division by
   // the block size, as before) and the warp passes the source pointers by shuffles. Main
-  // columns: copy i of lane l is chunk 16 w + 8 (i % 4 / 2) + 4 (i % 2) + l % 4 of key
-  // 8 (i / 4) + l / 4, so 4 lanes read 64 contiguous bytes. Each 8-lane phase of the
-  // shared stores covers 2 keys x 4 chunks, i.e. 4 of the 8 16-byte bank slots (chunk ^ key
-  // % 8): a 2-way conflict, as in the shared loader (lane -> key l % 8, chunk l / 8 would
-  // avoid it with the same global sectors per instruction; not done, to keep this form as
-  // rowilp built it). RoPE: lane pairs read the 32 bytes of one key. The key flags stay in registers (a ballot per
-  // issue, one word per stage): no shared flags another warp could rewrite under a reader.
+  // columns: copy (q, h) of lane l is chunk 16 w + 8 h + l % 8 of key 4 q + l / 8, so each
+  // 8-lane phase copies one whole 128-byte line of one key: one 4-sector L2 request, and 8
+  // distinct 16-byte bank slots for the shared stores (chunk ^ key % 8). (Lanes reading 64
+  // contiguous bytes, as rowilp built it, made twice the L2 requests of 2 sectors and a
+  // 2-way store conflict; whole lines measured 3-5 % faster on the memory-bound shapes, with
+  // L2, not DRAM, the busiest unit before: docs/decode_sm90.md.) RoPE: lane pairs read the
+  // 32 bytes of one key. The key flags stay in registers (a ballot per issue, one word per
+  // stage): no shared flags another warp could rewrite under a reader.
   uint32_t ok_bits0 = 0u, ok_bits1 = 0u;  // stages 0 and 1 (scalars: no local-memory array)
   auto issue_own = [&](int tile, int block) {
     const int stage = tile % STAGES;
@@ -1157,22 +1158,18 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     // (decode_key_src gives the cache's first entry for a key not loaded: never read, as
     // the copy's source size is then 0 and the destination is zero-filled.)
     const unsigned long long mine = reinterpret_cast<unsigned long long>(src);
-    const int sub = lane >> 2, part = lane & 3;
+    const int sub = lane >> 3, part = lane & 7;
     const uint32_t base = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
-    const uint32_t d_lo = base + sub * kRowBytes + 256 * warp + ((part ^ sub) << 4);
-    const uint32_t d_hi = base + sub * kRowBytes + 256 * warp + (((4 + part) ^ sub) << 4);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // keys 8 q + sub
-      const int key = 8 * q + sub;
+    for (int q = 0; q < 8; ++q) {  // keys 4 q + sub
+      const int key = 4 * q + sub;
       const std::byte* const s0 =
           reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, mine, key)) + 256 * warp +
           16 * part;
+      const uint32_t d = base + key * kRowBytes + 256 * warp + ((part ^ (key & 7)) << 4);
       const bool valid = (bits >> key) & 1u;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {  // 128 B of the row per i: chunks part and 4 + part
-        cp_async16_l2_256(d_lo + 8 * q * kRowBytes + 128 * i, s0 + 128 * i, valid);
-        cp_async16_l2_256(d_hi + 8 * q * kRowBytes + 128 * i, s0 + 128 * i + 64, valid);
-      }
+      cp_async16_l2_256(d, s0, valid);              // chunk 16 w + part
+      cp_async16_l2_256(d + 128, s0 + 128, valid);  // chunk 16 w + 8 + part
     }
     // RoPE: chunk rc of keys rk and 16 + rk (the same low 3 bits, so the same swizzle)
     const int rk = lane >> 1, rc = 64 + 2 * warp + (lane & 1);

@@ -113,18 +113,15 @@ using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 using sm90::wgmma_wait;
 
-// K-major operand descriptors (sm90::make_desc's fields) as two 32-bit halves. SW128: rows of
-// 128 bytes, 8-row groups 1024 bytes apart (swizzle mode 1). SW64: rows of 64 bytes, 8-row
-// groups 512 bytes apart (mode 2). A k-step of 32 e4m3 elements is 32 bytes along the row in
-// either, i.e. 2 in the low half: shared addresses stay below 2^18, so the low half (start
-// address >> 4 in bits 0-13, the leading offset 16 B >> 4 at bit 16) is linear in the address
-// and the consumers form each descriptor of a tile by one add to a low half computed once,
-// instead of masking and shifting its address per MMA on their critical path.
-constexpr uint32_t kDescHi128 = (1024 >> 4) | (1u << 30);
-constexpr uint32_t kDescHi64 = (512 >> 4) | (2u << 30);
-__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
+// K-major operand descriptors (sm90::make_desc's fields; in loops as halves, see sm90::desc_lo).
+// SW128: rows of 128 bytes, 8-row groups 1024 bytes apart (swizzle mode 1). SW64: rows of 64
+// bytes, 8-row groups 512 bytes apart (mode 2). The leading offset is 16 bytes in both. A
+// k-step of 32 e4m3 elements is 32 bytes along the row in either: 2 in the low half.
+constexpr uint32_t kDescHi128 = sm90::desc_hi(1024, 1);
+constexpr uint32_t kDescHi64 = sm90::desc_hi(512, 2);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr) { return sm90::desc_lo(addr, 16); }
 __device__ __forceinline__ uint64_t desc(uint32_t lo, uint32_t hi) {
-  return (uint64_t(hi) << 32) | lo;
+  return sm90::make_desc_halves(lo, hi);
 }
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
   return desc(desc_lo(addr), kDescHi128);
@@ -547,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  // Shared addresses and descriptor halves the tile loop needs, computed once (see desc_lo).
+  // Shared addresses and descriptor halves the tile loop needs, computed once (sm90::desc_lo).
   const uint32_t k_full_a = smem_u32(k_full), k_empty_a = smem_u32(k_empty);
   const uint32_t vt_full_a = smem_u32(vt_full), vt_empty_a = smem_u32(vt_empty);
   const uint32_t q_empty_a = smem_u32(&q_empty);

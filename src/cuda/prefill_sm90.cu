@@ -111,6 +111,7 @@ using sm90::desc_k_major;
 using sm90::fence_proxy_async;
 using sm90::fence_regs;
 using sm90::make_desc;
+using sm90::make_desc_halves;
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
@@ -503,10 +504,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = wtid / 32, lane = wtid & 31, g = lane >> 2, t = lane & 3;
   // Done with a stage's K or V: one arrival per warp (its wgmma reads completed at the
   // warpgroup's wait).
-  auto release = [&](uint64_t* bar) {
+  auto release = [&](uint32_t bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
+  // Shared addresses and descriptor halves the tile loop needs, computed once (sm90::desc_lo):
+  // K-major Q and K (leading offset 16), MN-major V (leading offset kKPanelBytes).
+  const uint32_t k_full_a = smem_u32(k_full), k_empty_a = smem_u32(k_empty);
+  const uint32_t v_full_a = smem_u32(v_full), v_empty_a = smem_u32(v_empty);
+  const uint32_t q_empty_a = smem_u32(&q_empty);
+  constexpr uint32_t kDescHi = sm90::desc_hi(1024, 1);
+  const uint32_t q_lo = sm90::desc_lo(q_smem + cw * 64 * kPanelRowBytes, 16);
+  const uint32_t k_lo = sm90::desc_lo(stage_smem(0), 16);  // stage s: + s * kStageBytes / 16
+  const uint32_t v_lo = sm90::desc_lo(stage_smem(0) + kKBytes, kKPanelBytes);
   int done = 0;  // tiles consumed for the previous items (the producer's count)
 #pragma unroll 1
   for (int r = 0;; ++r) {
@@ -522,7 +532,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg_tiles = warpgroup_tiles(it, cw, causal);
     const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
     const int row_limit[2] = {key_limit(row0, n, m, causal), key_limit(row0 + 8, n, m, causal)};
-    const uint32_t q_wg = q_smem + cw * 64 * kPanelRowBytes;
 
     float o[64];
 #pragma unroll
@@ -534,24 +543,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     float correction[2];
 
     // Tile j of this item: its stage and the phase of that stage's barriers.
-    auto stage = [&](int j) { return (done + j) % kStages; };
-    auto parity = [&](int j) { return uint32_t(((done + j) / kStages) & 1); };
+    // (Unsigned, so that the modulo is a mask for 2 stages.)
+    auto stage = [&](int j) { return uint32_t(done + j) % kStages; };
+    auto parity = [&](int j) { return (uint32_t(done + j) / kStages) & 1u; };
     // S = Q K^T of tile j: 12 k-steps of 16 over the 3 panels (issued, not waited for).
     auto issue_s = [&](int j) {
-      const uint32_t k_smem = stage_smem(stage(j));
+      const uint32_t k = k_lo + stage(j) * (kStageBytes >> 4);
 #pragma unroll
       for (int kk = 0; kk < 12; ++kk) {
-        const uint32_t off = (kk / 4) * kQPanelBytes + (kk % 4) * 32;
-        wgmma_ss<T>(sc, desc_k_major(q_wg + off), desc_k_major(k_smem + off), kk > 0);
+        const uint32_t off = ((kk / 4) * kQPanelBytes + (kk % 4) * 32) >> 4;
+        wgmma_ss<T>(sc, make_desc_halves(q_lo + off, kDescHi), make_desc_halves(k + off, kDescHi),
+                    kk > 0);
       }
       wgmma_commit();
     };
     // O += P V of tile j: 8 k-steps of 16 keys, each two whole 8-key swizzle groups (2048 B).
     auto issue_pv = [&](int j) {
-      const uint32_t v_smem = stage_smem(stage(j)) + kKBytes;
+      const uint32_t v = v_lo + stage(j) * (kStageBytes >> 4);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_rs<T>(o, pa[kk], desc_mn_major(v_smem + kk * 16 * kPanelRowBytes));
+        wgmma_rs<T>(o, pa[kk], make_desc_halves(v + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi));
       wgmma_commit();
     };
     // Mask and online softmax of tile j in place on sc (base 2, online_softmax_rows);
@@ -593,27 +604,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
     // loads the next item's Q while this one's last P.V and epilogue run.
-    if (wg_tiles == 0) mbar_arrive(&q_empty);
+    if (wg_tiles == 0) mbar_arrive(q_empty_a);
     if constexpr (!kOverlap) {
       // Tile by tile: S, softmax, P.V, each waited for before the next.
       for (int j = 0; j < wg_tiles; ++j) {
         const int st = stage(j);
-        mbar_wait(&k_full[st], parity(j));
+        mbar_wait(k_full_a + 8 * st, parity(j));
         wgmma_fence();
         issue_s(j);
         wgmma_wait<0>();
         fence_regs(sc);
-        release(&k_empty[st]);
-        if (j == wg_tiles - 1) mbar_arrive(&q_empty);
+        release(k_empty_a + 8 * st);
+        if (j == wg_tiles - 1) mbar_arrive(q_empty_a);
         if (softmax(j)) rescale_o();
         pack_p();
-        mbar_wait(&v_full[st], parity(j));
+        mbar_wait(v_full_a + 8 * st, parity(j));
         fence_regs(o);
         wgmma_fence();
         issue_pv(j);
         wgmma_wait<0>();
         fence_regs(o);
-        release(&v_empty[st]);
+        release(v_empty_a + 8 * st);
       }
     } else if (wg_tiles > 0) {
       // S of tile j is issued together with P.V of tile j - 1, and the softmax of tile j runs
@@ -624,21 +635,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       // issue (FA3 does the same for QK head dims above 128, where S is long enough to hide
       // them). `pending`: O still owes the correction of the last softmax (warp-uniform).
       bool pending = false;
-      mbar_wait(&k_full[stage(0)], parity(0));
+      mbar_wait(k_full_a + 8 * stage(0), parity(0));
       turns.begin(0);
       wgmma_fence();
       issue_s(0);
       turns.end(0);
       wgmma_wait<0>();
       fence_regs(sc);
-      release(&k_empty[stage(0)]);
-      if (wg_tiles == 1) mbar_arrive(&q_empty);
+      release(k_empty_a + 8 * stage(0));
+      if (wg_tiles == 1) mbar_arrive(q_empty_a);
       softmax(0);  // O is zero: no rescale
       pack_p();
       for (int j = 1; j < wg_tiles; ++j) {
         const int st = stage(j), prev = stage(j - 1);
-        mbar_wait(&k_full[st], parity(j));
-        mbar_wait(&v_full[prev], parity(j - 1));
+        mbar_wait(k_full_a + 8 * st, parity(j));
+        mbar_wait(v_full_a + 8 * prev, parity(j - 1));
         fence_regs(o);
         turns.begin(j);
         wgmma_fence();
@@ -653,12 +664,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         turns.end(j);
         wgmma_wait<1>();  // groups complete in order: S of tile j is done
         fence_regs(sc);
-        release(&k_empty[st]);
-        if (j == wg_tiles - 1) mbar_arrive(&q_empty);
+        release(k_empty_a + 8 * st);
+        if (j == wg_tiles - 1) mbar_arrive(q_empty_a);
         const bool moved = softmax(j);
         wgmma_wait<0>();  // P.V of tile j - 1 is done: O and pa are free
         fence_regs(o);
-        release(&v_empty[prev]);
+        release(v_empty_a + 8 * prev);
         if constexpr (early_rescale)
           pending = moved;
         else if (moved)
@@ -666,7 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pack_p();
       }
       const int last = wg_tiles - 1;
-      mbar_wait(&v_full[stage(last)], parity(last));
+      mbar_wait(v_full_a + 8 * stage(last), parity(last));
       fence_regs(o);
       turns.begin(wg_tiles);
       if (pending) rescale_o();
@@ -676,7 +687,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       turns.end(wg_tiles);
       wgmma_wait<0>();
       fence_regs(o);
-      release(&v_empty[stage(last)]);
+      release(v_empty_a + 8 * stage(last));
     }
     pass_tiles<kStages>(wg_tiles, num_tiles, done, k_full, k_empty, v_full, v_empty);
 

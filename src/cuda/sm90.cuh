@@ -152,6 +152,21 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) |
          (uint64_t(sbo >> 4) << 32) | (uint64_t(1) << 62);
 }
+// The same descriptor as two 32-bit halves, for loops: lo = start address >> 4 | leading offset
+// >> 4 << 16, hi = stride offset >> 4 | swizzle mode << 30 (make_desc_halves(lo, hi) joins them).
+// Shared addresses stay below 2^18, so the start field never carries into the next: adding
+// bytes >> 4 to lo moves the start by `bytes`, and a loop forms each k-step's descriptor by
+// one add to a low half computed once, instead of masking and shifting an address per MMA
+// on its critical path.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
+  return (addr >> 4) | ((lbo >> 4) << 16);
+}
+__host__ __device__ constexpr uint32_t desc_hi(uint32_t sbo, uint32_t swizzle_mode) {
+  return (sbo >> 4) | (swizzle_mode << 30);
+}
+__device__ __forceinline__ uint64_t make_desc_halves(uint32_t lo, uint32_t hi) {
+  return (uint64_t(hi) << 32) | lo;
+}
 // K-major operand (each row holds 64 consecutive reduction elements of one panel): 8-row
 // groups are 1024 bytes apart; the leading offset is ignored for swizzled K-major layouts.
 // Step k (16 elements) inside the panel: addr + 32 k.
