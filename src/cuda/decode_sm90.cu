@@ -89,14 +89,17 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // S half of warpgroup wg: s (64 rows x keys [32 wg, 32 wg + 32) of the tile at kt) = Q K^T,
 // 36 k-steps of 16 over the 9 panels; both operands K-major. Issued and committed, not
 // waited for. The B start moves by 32 keys x 128 B = 4096 B (4 swizzle atoms).
+// The descriptors of all these issues are one add each to a low half computed once
+// (sm90::desc_lo): masking and shifting 72 addresses per tile sat on the issuing warps' path.
+constexpr uint32_t kDescHi = desc_hi(kSwizzleAtomBytes, 1);
 template <class T>
 __device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_s, uint32_t kt, int wg) {
+  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt + wg * kHalfKeys * kPanelRowBytes, 16);
 #pragma unroll
   for (int kk = 0; kk < kLatentDim / 16; ++kk) {
-    const uint32_t off = (kk >> 2) * kPanelBytes + (kk & 3) * 32;
-    wgmma_ss_m64n32k16<T, false>(s, desc_k_major(q_s + off),
-                                 desc_k_major(kt + wg * kHalfKeys * kPanelRowBytes + off),
-                                 kk > 0);
+    const uint32_t off = ((kk >> 2) * kPanelBytes + (kk & 3) * 32) >> 4;
+    wgmma_ss_m64n32k16<T, false>(s, make_desc_halves(q_lo + off, kDescHi),
+                                 make_desc_halves(k_lo + off, kDescHi), kk > 0);
   }
   wgmma_commit();
 }
@@ -107,11 +110,12 @@ __device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_s, uint32_t k
 // 16 keys = 2048 B.
 template <class T>
 __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t kt, int wg) {
+  const uint32_t p_lo = desc_lo(p_s, 16), v_lo = desc_lo(kt + 4 * wg * kPanelBytes, kPanelBytes);
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk)
     wgmma_ss_m64n256k16<T, true>(
-        o, desc_k_major(p_s + kk * 32),
-        desc_mn_major(kt + 4 * wg * kPanelBytes + kk * 16 * kPanelRowBytes, kPanelBytes), true);
+        o, make_desc_halves(p_lo + 2 * kk, kDescHi),
+        make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
   wgmma_commit();
 }
 
@@ -139,10 +143,12 @@ __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[4 * NB], 
 // two m64n32 halves read Q twice (6 KB): a third less shared-memory traffic for S.
 template <class T>
 __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint32_t kt) {
+  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
 #pragma unroll
   for (int kk = 0; kk < kLatentDim / 16; ++kk) {
-    const uint32_t off = (kk >> 2) * kPanelBytes + (kk & 3) * 32;
-    wgmma_ss_m64n64k16<T, false>(s, desc_k_major(q_s + off), desc_k_major(kt + off), kk > 0);
+    const uint32_t off = ((kk >> 2) * kPanelBytes + (kk & 3) * 32) >> 4;
+    wgmma_ss_m64n64k16<T, false>(s, make_desc_halves(q_lo + off, kDescHi),
+                                 make_desc_halves(k_lo + off, kDescHi), kk > 0);
   }
   wgmma_commit();
 }
@@ -363,12 +369,13 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   float s[32];  // S of this thread: the first 16 for a half, all 32 for the wide S
   const uint32_t p_s = base + kPOff;
 
+  const uint32_t full_bar_a = smem_u32(full_bar);  // computed once: off the loop's path
   for (int tile = 0; tile < ntiles; ++tile) {
     const int stage = tile & 1;
     const uint32_t kt = base + kKOff + stage * kTileBytes;
     cp_async_wait_all();  // my copies of this tile (and of Q) have landed
     fence_proxy_async();  // ... and are visible to the wgmma reads that follow
-    if (tma && !early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    if (tma && !early && loaded(tile)) mbar_wait(full_bar_a + 8 * stage, uint32_t(tile >> 1) & 1u);
     __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
     if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
       const int b = next_block;
@@ -376,7 +383,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       issue_any(tile + 1, b);
     }
     cp_async_commit();
-    if (early && loaded(tile)) mbar_wait(&full_bar[stage], uint32_t(tile >> 1) & 1u);
+    if (early && loaded(tile)) mbar_wait(full_bar_a + 8 * stage, uint32_t(tile >> 1) & 1u);
     if (tma && fix_s[stage]) {
       // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
       for (int i = tid; i < kKeys * 64; i += kThreads) {
