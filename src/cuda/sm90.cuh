@@ -148,22 +148,24 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
 // PTX "matrix descriptor": bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
 // >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1 = 128 B). The base
 // offset field (49-51) stays 0 because every panel starts 1024-byte aligned.
-// As two 32-bit halves, for loops: lo = start address >> 4 | leading offset >> 4 << 16, hi =
-// stride offset >> 4 | swizzle mode << 30. Shared addresses stay below 2^18, so the start field
-// never carries into the next: adding bytes >> 4 to lo moves the start by `bytes`, and a loop
-// forms each k-step's descriptor by one add to a low half computed once, instead of masking
-// and shifting an address per MMA on its critical path.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) |
+         (uint64_t(sbo >> 4) << 32) | (uint64_t(1) << 62);
+}
+// The same descriptor as two 32-bit halves, for loops: lo = start address >> 4 | leading offset
+// >> 4 << 16, hi = stride offset >> 4 | swizzle mode << 30 (make_desc_halves(lo, hi) joins them).
+// Shared addresses stay below 2^18, so the start field never carries into the next: adding
+// bytes >> 4 to lo moves the start by `bytes`, and a loop forms each k-step's descriptor by
+// one add to a low half computed once, instead of masking and shifting an address per MMA
+// on its critical path.
 __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
-  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+  return (addr >> 4) | ((lbo >> 4) << 16);
 }
 __host__ __device__ constexpr uint32_t desc_hi(uint32_t sbo, uint32_t swizzle_mode) {
   return (sbo >> 4) | (swizzle_mode << 30);
 }
 __device__ __forceinline__ uint64_t make_desc_halves(uint32_t lo, uint32_t hi) {
   return (uint64_t(hi) << 32) | lo;
-}
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return make_desc_halves(desc_lo(addr, lbo), desc_hi(sbo, 1));
 }
 // K-major operand (each row holds 64 consecutive reduction elements of one panel): 8-row
 // groups are 1024 bytes apart; the leading offset is ignored for swizzled K-major layouts.
