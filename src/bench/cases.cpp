@@ -182,18 +182,19 @@ Case layer_case(Kind kind, const std::string& model, int tp, int batch, int seq,
 std::vector<Case> standard_cases() {
   using F = CacheFormat;
   std::vector<Case> v = {
-      decode_case(128, 16, 4096, 1),      // memory-bound, TP8 of a 128-head model
-      decode_case(128, 12, 8192, 1),      // memory-bound, K3 at TP8
+      decode_case(128, 16, 4096, 1),  // memory-bound, TP8 of a 128-head model
+      decode_case(128, 12, 8192, 1),  // memory-bound, K3 at TP8
       decode_case(128, 8, 8192, 1),
+      decode_case(128, 6, 8192, 1),
       decode_case(32, 12, 32768, 1),
       decode_case(4, 12, 262144, 1),
-      decode_case(1, 12, 1048576, 1),     // one 1M-token sequence (1.2 GB of bf16 cache)
-      decode_case(1, 12, 65536, 1),       // one long sequence: the split-KV target
-      decode_case(128, 128, 4096, 1),     // compute-bound (heads x q_len >= 128)
+      decode_case(1, 12, 1048576, 1),  // one 1M-token sequence (1.2 GB of bf16 cache)
+      decode_case(1, 12, 65536, 1),    // one long sequence: the split-KV target
+      decode_case(128, 128, 4096, 1),  // compute-bound (heads x q_len >= 128)
       decode_case(64, 128, 8192, 1),
       decode_case(64, 64, 8192, 2),
       decode_case(16, 128, 4096, 1),
-      decode_case(128, 12, 8192, 4),      // MTP: causal 4-token blocks
+      decode_case(128, 12, 8192, 4),                    // MTP: causal 4-token blocks
       decode_case(64, 8, 8192, 8, F::bf16, 64, false),  // DSpark draft: non-causal 8-token blocks
       decode_case(128, 16, 4096, 1, F::fp8_ds_mla),
       decode_case(128, 12, 8192, 1, F::fp8_ds_mla),
@@ -212,9 +213,9 @@ std::vector<Case> standard_cases() {
       mixed_decode_case(128, 12, 8192, 1),
       mixed_decode_case(128, 12, 8192, 4),
       // 16 sequences of 1..8192 tokens (32k in all) against one sequence of the same FLOPs.
-      varlen_prefill_case({8192, 5000, 4096, 3333, 2500, 2048, 1800, 1500, 1200, 1025, 1000,
-                           513, 300, 255, 3, 1},
-                          16),
+      varlen_prefill_case(
+          {8192, 5000, 4096, 3333, 2500, 2048, 1800, 1500, 1200, 1025, 1000, 513, 300, 255, 3, 1},
+          16),
       chunked_prefill_case("kimi-k3", 6, 8192, 24576, 4),
   };
   return v;
