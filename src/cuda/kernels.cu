@@ -90,62 +90,6 @@ __device__ __forceinline__ uint32_t pack2(uint16_t a, uint16_t b) {
   return uint32_t(a) | uint32_t(b) << 16;
 }
 
-// ---- RMSNorm --------------------------------------------------------------------------
-struct NormArgs {
-  void* x = nullptr;  // [rows, stride] (act), normalised in place over the first n columns
-  int64_t stride = 0;
-  int n = 0;
-  const void* w = nullptr;  // [n] (act)
-  bool vec = false;         // x, w 16-byte aligned, stride and n multiples of 8
-};
-
-// Grid (row blocks, 2 segments); one warp per row. Two passes over the row (the second
-// hits L1/L2): sum of squares, then scale. Lane l owns columns {l*8 + 256k} (vec) or
-// {l + 32k}: both passes touch the same columns, so the in-place write is race-free.
-// The Σx² is summed per lane then across the warp, not left to right as on the CPU: the
-// only place these kernels differ from the CPU arithmetic (a few fp32 ulps in 1/rms).
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(NormArgs a, NormArgs b, int64_t rows, float eps) {
-  const NormArgs s = blockIdx.y == 0 ? a : b;
-  const int64_t row = warp_item();
-  if (s.n == 0 || row >= rows) return;
-  const int lane = lane_id();
-  T* x = static_cast<T*>(s.x) + row * s.stride;
-  const T* w = static_cast<const T*>(s.w);
-  float ss = 0.0f;
-  if (s.vec) {
-    for (int i = lane * 8; i < s.n; i += kWarp * 8) {
-      float v[8];
-      load8(x + i, true, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
-    }
-  } else {
-    for (int i = lane; i < s.n; i += kWarp) {
-      const float v = to_float(x[i]);
-      ss += v * v;
-    }
-  }
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off /= 2) ss += __shfl_xor_sync(kFullMask, ss, off);
-  // 1 / sqrt(mean + eps) with IEEE divide and sqrt, as the CPU computes it.
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(s.n)), eps)));
-  if (s.vec) {
-    for (int i = lane * 8; i < s.n; i += kWarp * 8) {
-      float v[8], g[8];
-      load8(x + i, true, v);
-      load8(w + i, true, g);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fmul_rn(v[k], inv), g[k]);
-      store8(x + i, true, v);
-    }
-  } else {
-    for (int i = lane; i < s.n; i += kWarp)
-      x[i] = from_float<T>(__fmul_rn(__fmul_rn(to_float(x[i]), inv), to_float(w[i])));
-  }
-}
-
 // ---- RoPE -------------------------------------------------------------------------------
 // The rotation of RopeTable::rotate: two products and a difference (sum), each rounded, no
 // FMA.
@@ -220,26 +164,17 @@ struct InsertArgs {
 // Stores: fp8 and ds_mla codes one 16-byte store per lane; bf16/fp16 two. Rows start on
 // 16-byte boundaries (the launcher checks the cache base and block stride, and every
 // entry size is a multiple of 16).
+// Row t's insert once its 512 latent values are in registers (lane l holds [16 l, 16 l + 16)):
+// the slot checks, the rope values, the codes.
 template <class T>
-__global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args) {
+__device__ __forceinline__ void insert_row(const InsertArgs& args, int64_t t, const float (&v)[16],
+                                           int lane) {
   const CacheInsertParams& p = args.p;
-  const int64_t t = warp_item();
-  if (t >= p.rows) return;
-  const int lane = lane_id();
   const int64_t slot = p.slots[t];
   if (slot < 0) return;
   if (slot >= p.cache.num_slots()) {
     if (lane == 0) raise_error(p.error_flag, kErrBadSlot);
     return;
-  }
-  float v[16];
-  {
-    const T* kv = static_cast<const T*>(p.kv) + t * p.kv_stride + lane * 16;
-    float lo[8], hi[8];
-    load8(kv, args.kv_vec, lo);
-    load8(kv + 8, args.kv_vec, hi);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = lo[k], v[8 + k] = hi[k];
   }
   float r[2];
   if (p.rope_f32) {
@@ -299,6 +234,128 @@ __global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args)
           pack2(float_to_bf16(r[0]), float_to_bf16(r[1]));
       break;
     }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args) {
+  const CacheInsertParams& p = args.p;
+  const int64_t t = warp_item();
+  if (t >= p.rows) return;
+  const int lane = lane_id();
+  if (p.slots[t] < 0) return;
+  float v[16];
+  const T* kv = static_cast<const T*>(p.kv) + t * p.kv_stride + lane * 16;
+  float lo[8], hi[8];
+  load8(kv, args.kv_vec, lo);
+  load8(kv + 8, args.kv_vec, hi);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = lo[k], v[8 + k] = hi[k];
+  insert_row<T>(args, t, v, lane);
+}
+
+// ---- RMSNorm (and the fused cache insert) --------------------------------------------
+// Rows of at most kNormChunks x 256 values on the vector path stay in registers: lane l owns
+// the `chunks` 8-value chunks [l * chunks, (l + 1) * chunks), loads them and their weights at
+// once (one memory round trip instead of one per 256 columns and pass), and writes them
+// back scaled. Longer or unaligned rows take two passes over the row (the second hits
+// L1/L2): lane l owns columns {l*8 + 256k} (vec) or {l + 32k}. Either way a lane reads and
+// writes only its own columns, so the in-place update is race-free.
+constexpr int kNormChunks = 8;
+
+struct NormArgs {
+  void* x = nullptr;  // [rows, stride] (act), normalised in place over the first n columns
+  int64_t stride = 0;
+  int n = 0;
+  const void* w = nullptr;  // [n] (act)
+  bool vec = false;         // x, w 16-byte aligned, stride and n multiples of 8
+  int chunks = 0;           // > 0: the register path, this many chunks per lane
+};
+
+// Grid (row blocks, 2 segments); one warp per row. The sum of x^2 is summed per lane then
+// across the warp, not left to right as on the CPU: the only place these kernels differ
+// from the CPU arithmetic (a few fp32 ulps in 1/rms). With `insert`, segment a is the
+// 512-wide latent on the register path (2 chunks: lane l holds [16 l, 16 l + 16), the
+// layout of insert_row) and its rounded, normalised values also go into the cache.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(NormArgs a, NormArgs b, int64_t rows, float eps, InsertArgs ins, bool insert) {
+  const NormArgs s = blockIdx.y == 0 ? a : b;
+  const int64_t row = warp_item();
+  if (s.n == 0 || row >= rows) return;
+  const int lane = lane_id();
+  T* x = static_cast<T*>(s.x) + row * s.stride;
+  const T* w = static_cast<const T*>(s.w);
+  // 1 / sqrt(mean + eps) with IEEE divide and sqrt, as the CPU computes it.
+  auto inv_rms = [&](float ss) {
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off /= 2) ss += __shfl_xor_sync(kFullMask, ss, off);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(s.n)), eps)));
+  };
+  if (s.chunks > 0) {
+    float v[kNormChunks][8], g[kNormChunks][8];
+    const int c0 = lane * s.chunks;
+    auto mine = [&](int k) { return k < s.chunks && (c0 + k) * 8 < s.n; };
+#pragma unroll
+    for (int k = 0; k < kNormChunks; ++k) {
+      if (mine(k)) {
+        load8(x + (c0 + k) * 8, true, v[k]);
+        load8(w + (c0 + k) * 8, true, g[k]);
+      }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormChunks; ++k) {
+      if (mine(k)) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
+      }
+    }
+    const float inv = inv_rms(ss);
+#pragma unroll
+    for (int k = 0; k < kNormChunks; ++k) {
+      if (mine(k)) {
+#pragma unroll  // the act value itself: the cache insert encodes what the row now holds
+        for (int e = 0; e < 8; ++e)
+          v[k][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(v[k][e], inv), g[k][e])));
+        store8(x + (c0 + k) * 8, true, v[k]);
+      }
+    }
+    if (insert && blockIdx.y == 0) {
+      float r[16];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] = v[0][e], r[8 + e] = v[1][e];
+      insert_row<T>(ins, row, r, lane);
+    }
+    return;
+  }
+  float ss = 0.0f;
+  if (s.vec) {
+    for (int i = lane * 8; i < s.n; i += kWarp * 8) {
+      float v[8];
+      load8(x + i, true, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    }
+  } else {
+    for (int i = lane; i < s.n; i += kWarp) {
+      const float v = to_float(x[i]);
+      ss += v * v;
+    }
+  }
+  const float inv = inv_rms(ss);
+  if (s.vec) {
+    for (int i = lane * 8; i < s.n; i += kWarp * 8) {
+      float v[8], g[8];
+      load8(x + i, true, v);
+      load8(w + i, true, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fmul_rn(v[k], inv), g[k]);
+      store8(x + i, true, v);
+    }
+  } else {
+    for (int i = lane; i < s.n; i += kWarp)
+      x[i] = from_float<T>(__fmul_rn(__fmul_rn(to_float(x[i]), inv), to_float(w[i])));
   }
 }
 
@@ -445,10 +502,12 @@ __global__ void __launch_bounds__(kThreads) gather_context_kernel(GatherParams p
 // Grid-stride over groups of 8 values (vec: 16-byte accesses) or single values.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    gate_kernel(T* attn, const T* g, int64_t g_stride, int64_t rows, int64_t width, bool vec) {
+    gate_kernel(T* attn, const T* g, int64_t g_stride, int64_t rows, int64_t width, bool vec,
+                const int32_t* num_tokens) {
   const int group = vec ? 8 : 1;
   const int64_t per_row = width / group;
   const int64_t n = rows * per_row;
+  const int64_t real = num_tokens ? int64_t(*num_tokens) : rows;
   auto gated = [](float a, float gv) {
     return __fmul_rn(a, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gv))));
   };
@@ -457,7 +516,12 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t = i / per_row, col = (i % per_row) * group;
     T* a = attn + t * width + col;
     const T* gp = g + t * g_stride + col;
-    if (vec) {
+    if (t >= real) {
+      if (vec)
+        *reinterpret_cast<uint4*>(a) = make_uint4(0, 0, 0, 0);
+      else
+        *a = from_float<T>(0.0f);
+    } else if (vec) {
       float av[8], gv[8];
       load8(a, true, av);
       load8(gp, true, gv);
@@ -585,11 +649,27 @@ void check_cache(const CacheRef& c) {
              c.block_stride);
 }
 
+InsertArgs insert_args(const CacheInsertParams& p) {
+  check_cache(p.cache);
+  KMLA_CHECK(p.kv && p.rope && p.slots, "cache_insert has a null kv, rope or slots pointer");
+  InsertArgs args;
+  args.p = p;
+  args.kv_vec = aligned16(p.kv) && p.kv_stride % 8 == 0;
+  args.k_scale_inv = 1.0f / p.cache.k_scale;  // as RowCodec::encode: the fp32 reciprocal
+  return args;
+}
+
 }  // namespace
 
 void rms_norm(const NormSegment& a, const NormSegment& b, int64_t rows, float eps, DType act,
-              cudaStream_t stream) {
+              cudaStream_t stream, const CacheInsertParams* insert) {
   KMLA_CHECK(rows >= 0, "rms_norm rows must be >= 0, got ", rows);
+  if (insert) {
+    KMLA_CHECK(a.n == kKvLoraRank && insert->kv == a.x && insert->kv_stride == a.stride &&
+                   insert->rows == rows && insert->act == act,
+               "rms_norm's cache insert takes segment a's rows: a 512-wide latent (n = ", a.n,
+               ") at the insert's kv, stride and row count");
+  }
   if (rows == 0 || (a.n == 0 && b.n == 0)) return;
   auto args = [](const NormSegment& s, const char* name) {
     KMLA_CHECK(s.n >= 0, "rms_norm segment ", name, " has n = ", s.n);
@@ -602,13 +682,19 @@ void rms_norm(const NormSegment& a, const NormSegment& b, int64_t rows, float ep
     r.n = s.n;
     r.w = s.weight;
     r.vec = aligned16(s.x) && aligned16(s.weight) && s.stride % 8 == 0 && s.n % 8 == 0;
+    if (r.vec && s.n <= kNormChunks * kWarp * 8) r.chunks = int(ceil_div(s.n, kWarp * 8));
     return r;
   };
   const NormArgs na = args(a, "a"), nb = args(b, "b");
+  // The insert rides along when segment a is on the register path with 2 chunks per lane.
+  const bool fused = insert && na.chunks == 2;
+  const InsertArgs ins = fused ? insert_args(*insert) : InsertArgs{};
   dispatch_act(act, [&]<class T>() {
-    rms_norm_kernel<T><<<dim3(warp_blocks(rows), 2), kThreads, 0, stream>>>(na, nb, rows, eps);
+    rms_norm_kernel<T>
+        <<<dim3(warp_blocks(rows), 2), kThreads, 0, stream>>>(na, nb, rows, eps, ins, fused);
     KMLA_LAUNCH_CHECK();
   });
+  if (insert && !fused) cache_insert(*insert, stream);
 }
 
 void rope(const RopeParams& p, cudaStream_t stream) {
@@ -629,12 +715,7 @@ void rope(const RopeParams& p, cudaStream_t stream) {
 void cache_insert(const CacheInsertParams& p, cudaStream_t stream) {
   KMLA_CHECK(p.rows >= 0, "cache_insert rows must be >= 0, got ", p.rows);
   if (p.rows == 0) return;
-  check_cache(p.cache);
-  KMLA_CHECK(p.kv && p.rope && p.slots, "cache_insert has a null kv, rope or slots pointer");
-  InsertArgs args;
-  args.p = p;
-  args.kv_vec = aligned16(p.kv) && p.kv_stride % 8 == 0;
-  args.k_scale_inv = 1.0f / p.cache.k_scale;  // as RowCodec::encode: the fp32 reciprocal
+  const InsertArgs args = insert_args(p);
   dispatch_act(p.act, [&]<class T>() {
     cache_insert_kernel<T><<<warp_blocks(p.rows), kThreads, 0, stream>>>(args);
     KMLA_LAUNCH_CHECK();
@@ -671,7 +752,7 @@ void gather_context(const GatherParams& p, cudaStream_t stream) {
 }
 
 void gate(void* attn, const void* g, int64_t g_stride, int64_t rows, int64_t width, DType act,
-          cudaStream_t stream) {
+          cudaStream_t stream, const int32_t* num_tokens) {
   KMLA_CHECK(rows >= 0 && width >= 0 && g_stride >= width, "gate rows ", rows, " width ", width,
              " g_stride ", g_stride);
   if (rows == 0 || width == 0) return;
@@ -679,7 +760,7 @@ void gate(void* attn, const void* g, int64_t g_stride, int64_t rows, int64_t wid
   const int64_t units = rows * width / (vec ? 8 : 1);
   dispatch_act(act, [&]<class T>() {
     gate_kernel<T><<<stride_blocks(units), kThreads, 0, stream>>>(
-        static_cast<T*>(attn), static_cast<const T*>(g), g_stride, rows, width, vec);
+        static_cast<T*>(attn), static_cast<const T*>(g), g_stride, rows, width, vec, num_tokens);
     KMLA_LAUNCH_CHECK();
   });
 }

@@ -19,8 +19,12 @@ struct NormSegment {
   int n = 0;
   const void* weight = nullptr;
 };
+struct CacheInsertParams;
+// With `insert`, segment a must be the 512-wide latent at insert->kv (same stride, rows and
+// act): its normalised rows are then also encoded into the cache as cache_insert(*insert)
+// does, in the same launch when the row is on the vector path (else as a second launch).
 void rms_norm(const NormSegment& a, const NormSegment& b, int64_t rows, float eps, DType act,
-              cudaStream_t stream);
+              cudaStream_t stream, const CacheInsertParams* insert = nullptr);
 
 // ---- RoPE -----------------------------------------------------------------------------
 // Interleaved pairs (x[2i], x[2i+1]) rotated in fp32 by row positions[t] of the fp32 table
@@ -112,9 +116,10 @@ void gather_context(const GatherParams& p, cudaStream_t stream);
 
 // ---- gate -------------------------------------------------------------------------------
 // attn[t * width + i] = act(attn * (1 / (1 + exp(-g)))) for t < rows, with g (act) at
-// g[t * g_stride + i]; fp32 math (expf).
+// g[t * g_stride + i]; fp32 math (expf). With `num_tokens` (a device scalar), rows
+// t >= *num_tokens are set to +0 instead, so that a projection of them is zero.
 void gate(void* attn, const void* g, int64_t g_stride, int64_t rows, int64_t width, DType act,
-          cudaStream_t stream);
+          cudaStream_t stream, const int32_t* num_tokens = nullptr);
 
 // ---- merge ------------------------------------------------------------------------------
 // LSE merge of two partial results [rows, heads, dim] (act) with LSEs [rows, heads] (fp32)

@@ -198,10 +198,11 @@ struct Layer::Impl {
   int64_t q_width = 0, attn_width = 0, kv_offset = 0, front_width = 0;
   float k_scale = 1.0f, q_scale = 1.0f;
 
-  Projection q_first, kv_a, front;  // front: fused [q_first; kv_a] when both are 16-bit
+  Projection q_first, kv_a, front;  // front: fused [q_first; kv_a (; g)] when all are 16-bit
   bool fused_front = false;
+  int64_t g_column = -1;  // >= 0: g_proj is in the front GEMM, its output at this column
   Projection q_b, kv_b, g, o;
-  DeviceBuffer q_norm, kv_norm, w_uk_t, w_uv;
+  DeviceBuffer q_norm, kv_norm, w_uk_q, w_uv;
   bool any_hidden_fp8 = false;
   DeviceBuffer error_flag;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -249,11 +250,18 @@ Layer::Impl::Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts,
   const bool q_first_fp8 = w.fp8.count(q_first_name) != 0;
   const bool kv_a_fp8 = w.fp8.count("kv_a_proj_with_mqa") != 0;
   fused_front = !q_first_fp8 && !kv_a_fp8;
-  if (fused_front) {  // one GEMM: [q_first; kv_a] stacked rows
+  if (fused_front && cfg.use_output_gate && w.fp8.count("g_proj") == 0) {
+    g_column = front_width;  // g_proj reads the same hidden states: one GEMM, one pass over them
+    front_width += attn_width;
+  }
+  if (fused_front) {  // one GEMM: [q_first; kv_a (; g_proj)] stacked rows
     HostTensor stacked(act, {front_width, int64_t(cfg.hidden_size)});
-    std::memcpy(stacked.data<std::byte>(), q_first_t.data<std::byte>(), q_first_t.bytes());
-    std::memcpy(stacked.data<std::byte>() + q_first_t.bytes(), w.kv_a_proj_with_mqa.data<std::byte>(),
-                w.kv_a_proj_with_mqa.bytes());
+    std::byte* at = stacked.data<std::byte>();
+    for (const HostTensor* t : {&q_first_t, &w.kv_a_proj_with_mqa, &w.g_proj}) {
+      if (t == &w.g_proj && g_column < 0) break;
+      std::memcpy(at, t->data<std::byte>(), t->bytes());
+      at += t->bytes();
+    }
     front = make_projection(w, "front", stacked);
   } else {
     q_first = make_projection(w, q_first_name, q_first_t);
@@ -266,9 +274,27 @@ Layer::Impl::Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts,
   kv_norm = upload_host(w.kv_a_layernorm.data<std::byte>(), w.kv_a_layernorm.bytes());
   kv_b = make_projection(w, "kv_b_proj", w.kv_b_proj);
   const AbsorbedWeights absorbed = absorb_kv_b(w.kv_b_proj, heads);
-  w_uk_t = upload_host(absorbed.w_uk_t.data<std::byte>(), absorbed.w_uk_t.bytes());
+  // W_UK extended to the whole query head: [H, 192, 576] = [[W_UK^T, 0], [0, I_64]], so one
+  // batched GEMM writes the decode query [q_nope W_UK^T | q_pe] (the pe columns are 1 x q_pe
+  // plus exact zeros: a copy; the latent columns add exact zeros to the same products).
+  {
+    HostTensor uk(act, {heads, kQkHeadDim, kLatentDim});
+    std::memset(uk.data<std::byte>(), 0, uk.bytes());
+    const uint16_t one = act == DType::bf16 ? float_to_bf16(1.0f) : float_to_fp16(1.0f);
+    const auto* src = absorbed.w_uk_t.data<uint16_t>();
+    auto* dst = uk.data<uint16_t>();
+    for (int h = 0; h < heads; ++h) {
+      uint16_t* blk = dst + int64_t(h) * kQkHeadDim * kLatentDim;
+      for (int p = 0; p < kNopeDim; ++p)
+        std::memcpy(blk + int64_t(p) * kLatentDim, src + (int64_t(h) * kNopeDim + p) * kKvLoraRank,
+                    size_t(kKvLoraRank) * 2);
+      for (int j = 0; j < kRopeDim; ++j)
+        blk[int64_t(kNopeDim + j) * kLatentDim + kKvLoraRank + j] = one;
+    }
+    w_uk_q = upload_host(uk.data<std::byte>(), uk.bytes());
+  }
   w_uv = upload_host(absorbed.w_uv.data<std::byte>(), absorbed.w_uv.bytes());
-  if (cfg.use_output_gate) g = make_projection(w, "g_proj", w.g_proj);
+  if (cfg.use_output_gate && g_column < 0) g = make_projection(w, "g_proj", w.g_proj);
   o = make_projection(w, "o_proj", w.o_proj);
   any_hidden_fp8 = q_first_fp8 || kv_a_fp8 || g.fp8;
 
@@ -461,7 +487,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->off_dwork = L.take(d->decode.workspace_bytes);
   }
   d->off_attn = L.take(size_t(rows * attn_width) * as);
-  if (cfg.use_output_gate) d->off_g = L.take(size_t(rows * attn_width) * as);
+  if (cfg.use_output_gate && g_column < 0) d->off_g = L.take(size_t(rows * attn_width) * as);
   if (o.fp8) {  // W8A8 o_proj: the gated attention output quantized per 128
     d->off_o8 = L.take(size_t(rows * attn_width));
     d->off_o8s = L.take(act_scale_elems(rows, attn_width) * 4);
@@ -539,7 +565,16 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     auto* x8s = static_cast<float*>(at(d.off_x8s));
     if (any_hidden_fp8) quantize_act_fp8(hidden.data, hs, rows, hs, act, x8, x8s, s);
     void* front_out = at(d.off_front);
-    if (fused_front) {
+    if (fused_front && g_column >= 0 && rows >= kAuxStreamMaxRows) {
+      // Large batches: the stacked weight as two GEMMs ([q_first; kv_a], then g_proj), which
+      // measured 1.7 % faster on the 8k-token K3 prefill than one (docs/PERF.md, 2026-12-05).
+      const auto* wg =
+          static_cast<const std::byte*>(front.values.data()) + g_column * hs * int64_t(as);
+      blas.main.linear(rows, g_column, hs, hidden.data, hs, front.values.data(), front_out,
+                       front_width, act, s);
+      blas.main.linear(rows, attn_width, hs, hidden.data, hs, wg,
+                       static_cast<std::byte*>(front_out) + g_column * as, front_width, act, s);
+    } else if (fused_front) {
       project(front, rows, hidden.data, hs, nullptr, nullptr, front_out, front_width, blas.main, s);
     } else {
       project(q_first, rows, hidden.data, hs, x8, x8s, front_out, front_width, blas.main, s);
@@ -547,9 +582,11 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
               front_width, blas.main, s);
     }
   }
-  // g_proj depends only on the hidden states: on the auxiliary stream for small batches.
-  const bool use_aux = cfg.use_output_gate && options.aux_stream && rows > 0 && rows < kAuxStreamMaxRows;
-  if (cfg.use_output_gate && rows > 0) {
+  // A g_proj of its own (fp8 weights) depends only on the hidden states: on the auxiliary
+  // stream for small batches.
+  const bool own_g = cfg.use_output_gate && g_column < 0;
+  const bool use_aux = own_g && options.aux_stream && rows > 0 && rows < kAuxStreamMaxRows;
+  if (own_g && rows > 0) {
     cudaStream_t gs = use_aux ? raw(options.aux_stream) : s;
     if (use_aux) {
       KMLA_CUDA_CHECK(cudaEventRecord(fork, s));
@@ -581,7 +618,17 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       qn.n = *cfg.q_lora_rank;
       qn.weight = q_norm.data();
     }
-    rms_norm(kvn, qn, rows, float(cfg.rms_norm_eps), act, s);
+    CacheInsertParams ci;  // without RoPE the keys are final here: the norm's launch inserts them
+    ci.kv = kv_c;
+    ci.kv_stride = front_width;
+    ci.rope = k_pe;
+    ci.rope_stride = front_width;
+    ci.act = act;
+    ci.slots = batch.slot_mapping;
+    ci.rows = rows;
+    ci.cache = cref;
+    ci.error_flag = flag;
+    rms_norm(kvn, qn, rows, float(cfg.rms_norm_eps), act, s, cfg.use_rope ? nullptr : &ci);
     if (cfg.q_lora_rank) {
       const int64_t ql = *cfg.q_lora_rank;
       auto* qc8 = static_cast<uint8_t*>(at(d.off_qc8));
@@ -611,19 +658,11 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       ::kmla::cuda::rope(rp, s);
       k_rope = static_cast<const std::byte*>(at(d.off_krope));
       k_rope_stride = kRopeDim;
+      ci.rope = keep_f32 ? at(d.off_kf32) : static_cast<const void*>(k_rope);
+      ci.rope_stride = keep_f32 ? kRopeDim : k_rope_stride;
+      ci.rope_f32 = keep_f32;
+      cache_insert(ci, s);
     }
-    CacheInsertParams ci;
-    ci.kv = kv_c;
-    ci.kv_stride = front_width;
-    ci.rope = keep_f32 ? at(d.off_kf32) : static_cast<const void*>(k_rope);
-    ci.rope_stride = keep_f32 ? kRopeDim : k_rope_stride;
-    ci.rope_f32 = keep_f32;
-    ci.act = act;
-    ci.slots = batch.slot_mapping;
-    ci.rows = rows;
-    ci.cache = cref;
-    ci.error_flag = flag;
-    cache_insert(ci, s);
   }
 
   auto* attn = static_cast<std::byte*>(at(d.off_attn));  // [rows, H*128]
@@ -634,19 +673,22 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     NvtxRange r("decode attention");
     const int64_t Td = d.decode_rows;
     void* mqa = at(d.off_mqa);
-    blas.main.batched_nn(H, Td, kKvLoraRank, kNopeDim, q, q_stride, kQkHeadDim, w_uk_t.data(), kKvLoraRank,
-                         int64_t(kNopeDim) * kKvLoraRank, mqa, int64_t(H) * kLatentDim, kLatentDim, act, s);
-    DecodeQueryParams dq;
-    dq.mqa = mqa;
-    dq.rows = Td;
-    dq.heads = H;
-    dq.q = q;
-    dq.q_stride = q_stride;
-    dq.q_rope_f32 = keep_f32 ? static_cast<const float*>(at(d.off_qf32)) : nullptr;
-    dq.q8 = plain_fp8 ? static_cast<uint8_t*>(at(d.off_q8)) : nullptr;
-    dq.q_scale = q_scale;
-    dq.act = act;
-    decode_query(dq, s);
+    blas.main.batched_nn(H, Td, kLatentDim, kQkHeadDim, q, q_stride, kQkHeadDim, w_uk_q.data(),
+                         kLatentDim, int64_t(kQkHeadDim) * kLatentDim, mqa, int64_t(H) * kLatentDim,
+                         kLatentDim, act, s);
+    if (plain_fp8) {  // the e4m3 query (its rope part from the unrounded fp32 rotation)
+      DecodeQueryParams dq;
+      dq.mqa = mqa;
+      dq.rows = Td;
+      dq.heads = H;
+      dq.q = q;
+      dq.q_stride = q_stride;
+      dq.q_rope_f32 = keep_f32 ? static_cast<const float*>(at(d.off_qf32)) : nullptr;
+      dq.q8 = static_cast<uint8_t*>(at(d.off_q8));
+      dq.q_scale = q_scale;
+      dq.act = act;
+      decode_query(dq, s);
+    }
     DecodeParams dp;
     dp.q = plain_fp8 ? at(d.off_q8) : mqa;
     dp.q_fp8 = plain_fp8;
@@ -785,18 +827,24 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   }
 
   // ---- 6. gate and o_proj ---------------------------------------------------------------
+  // Padding rows (past *num_tokens) of out must be zero. When o_proj covers every row of out
+  // from 16-bit inputs, the gate zeroes those rows of its input instead of a kernel after it.
+  const bool gate_zeroes = cfg.use_output_gate && rows == d.rows && !o.fp8;
   if (rows > 0) {
     NvtxRange r("gate, o_proj");
     if (cfg.use_output_gate) {
       if (use_aux) KMLA_CUDA_CHECK(cudaStreamWaitEvent(s, join, 0));
-      gate(attn, at(d.off_g), attn_width, rows, attn_width, act, s);
+      const void* gv = own_g ? at(d.off_g) : static_cast<const void*>(front_out + g_column * as);
+      gate(attn, gv, own_g ? attn_width : front_width, rows, attn_width, act, s,
+           gate_zeroes ? batch.num_tokens : nullptr);
     }
     auto* o8 = static_cast<uint8_t*>(at(d.off_o8));
     auto* o8s = static_cast<float*>(at(d.off_o8s));
     if (o.fp8) quantize_act_fp8(attn, attn_width, rows, attn_width, act, o8, o8s, s);
     project(o, rows, attn, attn_width, o8, o8s, out.data, hs, blas.main, s);
   }
-  if (d.rows > 0) zero_padding_rows(out.data, d.rows, hs * int64_t(as), batch.num_tokens, s);
+  if (d.rows > 0 && !gate_zeroes)
+    zero_padding_rows(out.data, d.rows, hs * int64_t(as), batch.num_tokens, s);
   if (reduce) options.all_reduce(out, stream_);
 }
 

@@ -97,6 +97,12 @@ std::vector<Case> standard_cases() {
   fp8p.fp8_prefill = true;
   fp8p.name += "/fp8-prefill";
   cases.push_back(fp8p);
+  // A prefill of more than kAuxStreamMaxRows (512) rows: the CUDA layer's gated front end
+  // then runs as two GEMMs over its stacked weight.
+  Case longp = mixed_case("kimi-k3", CacheFormat::bf16, 64, 14);
+  longp.requests = {{1, 70}, {3, 129}, {600, 0}};
+  longp.name += "/long-prefill";
+  cases.push_back(longp);
   Case yarn = mixed_case("kimi-k3-dspark-yarn", CacheFormat::bf16, 16, 10, 5);
   cases.push_back(yarn);
   Case v2 = mixed_case("deepseek-v2-lite", CacheFormat::bf16, 64, 11, 1);

@@ -105,10 +105,11 @@ struct DeviceInputs {
 
 // A decode step captured once (batch A) and replayed for batch A and for batch B (other
 // lengths, fewer requests, more padding rows). Replays equal an eager run of the same plan
-// bit for bit, and both pass the oracle rule; the gate's g_proj runs on the aux stream.
-TEST(CudaGraph, DecodeStepReplaysOtherBatches) {
-  REQUIRE_GPU();
+// bit for bit, and both pass the oracle rule. With 16-bit weights g_proj is part of the front
+// GEMM and the gate zeroes the padding rows; with fp8 weights it runs on the aux stream.
+void decode_step_replays_other_batches(bool fp8_weights) {
   Case c = verify::mixed_case("kimi-k3", CacheFormat::bf16, 16, 41, 3);
+  c.fp8_weights = fp8_weights;
   c.requests = {{1, 37}, {1, 16}, {1, 129}, {1, 1}, {1, 64}, {1, 250}};
   c.padding_rows = 2;
   const verify::Inputs a = verify::make_inputs(c);
@@ -203,6 +204,16 @@ TEST(CudaGraph, DecodeStepReplaysOtherBatches) {
   CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(aux));
   CUDA_OK(cudaStreamDestroy(s));
+}
+
+TEST(CudaGraph, DecodeStepReplaysOtherBatches) {
+  REQUIRE_GPU();
+  decode_step_replays_other_batches(false);
+}
+
+TEST(CudaGraph, DecodeStepReplaysOtherBatchesFp8Weights) {
+  REQUIRE_GPU();
+  decode_step_replays_other_batches(true);
 }
 
 // ---- bad input ---------------------------------------------------------------------------------

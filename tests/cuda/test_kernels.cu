@@ -85,29 +85,33 @@ TEST(CudaKernels, RmsNormTwoSegmentsInOneLaunch) {
   struct Case {
     DType act;
     int64_t stride, b_offset;
-    int b_n;
+    int a_n, b_n;
   };
-  // [q_c 1536 | kv_c 512 | k_pe 64 | spare]: the first case is 16-byte aligned (vector
-  // path), the second puts kv_c one element off and the stride odd (scalar path for both),
-  // the third skips segment b (n = 0) and must leave it untouched.
-  for (const Case c : {Case{DType::bf16, 2120, 1536, 512}, Case{DType::f16, 2121, 1537, 512},
-                       Case{DType::bf16, 2120, 1536, 0}}) {
-    SCOPED_TRACE(testing::Message() << "stride " << c.stride << " b_n " << c.b_n);
+  // [q_c 1536 | kv_c 512 | k_pe 64 | spare]: the first case is 16-byte aligned (the register
+  // path: 6 and 2 chunks per lane), the second puts kv_c one element off and the stride odd
+  // (scalar path for both), the third skips segment b (n = 0) and must leave it untouched, the
+  // fourth has a row too long for registers (2312 = 9 chunks x 256 + 8: the two-pass vector
+  // path) and a b of 392 (2 chunks per lane, the last 7 lanes without a second one).
+  for (const Case c :
+       {Case{DType::bf16, 2120, 1536, 1536, 512}, Case{DType::f16, 2121, 1537, 1536, 512},
+        Case{DType::bf16, 2120, 1536, 1536, 0}, Case{DType::bf16, 2720, 2320, 2312, 392}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "stride " << c.stride << " a_n " << c.a_n << " b_n " << c.b_n);
     std::vector<uint16_t> x = random_act(size_t(rows * c.stride), rng, -3.0f, 3.0f, c.act);
-    const std::vector<uint16_t> wa = random_act(1536, rng, 0.5f, 1.5f, c.act);
+    const std::vector<uint16_t> wa = random_act(size_t(c.a_n), rng, 0.5f, 1.5f, c.act);
     const std::vector<uint16_t> wb = random_act(512, rng, 0.5f, 1.5f, c.act);
     DevBuf<uint16_t> dx(x), dwa(wa), dwb(wb);
-    cu::NormSegment a{dx.ptr, c.stride, 1536, dwa.ptr};
+    cu::NormSegment a{dx.ptr, c.stride, c.a_n, dwa.ptr};
     cu::NormSegment b{dx.ptr + c.b_offset, c.stride, c.b_n, dwb.ptr};
     cu::rms_norm(a, b, rows, eps, c.act, nullptr);
     sync();
     const std::vector<uint16_t> got = dx.download();
-    rms_norm_ref(x.data(), rows, c.stride, 1536, wa.data(), eps, c.act);
+    rms_norm_ref(x.data(), rows, c.stride, c.a_n, wa.data(), eps, c.act);
     if (c.b_n) rms_norm_ref(x.data() + c.b_offset, rows, c.stride, c.b_n, wb.data(), eps, c.act);
     int worst = 0, differing = 0;
     for (size_t i = 0; i < x.size(); ++i) {
       const int64_t col = int64_t(i) % c.stride;
-      const bool normed = col < 1536 || (col >= c.b_offset && col < c.b_offset + c.b_n);
+      const bool normed = col < c.a_n || (col >= c.b_offset && col < c.b_offset + c.b_n);
       const int d = act_ulps(got[i], x[i], c.act);
       if (!normed) ASSERT_EQ(got[i], x[i]) << "column " << col << " outside both segments";
       worst = std::max(worst, d);
@@ -316,6 +320,73 @@ TEST(CudaKernels, CacheInsertEncodesLikeRowCodec) {
   }
 }
 
+// rms_norm with a cache insert writes what a norm launch followed by cache_insert writes: the
+// same normalised rows in place and the same cache bytes, in every format, with a padded
+// slot, a bad slot (flag, no write) and a NaN row. The latent one element off (not 16-byte
+// aligned) takes the fallback, two launches inside rms_norm, and must agree too.
+TEST(CudaKernels, RmsNormWithCacheInsertMatchesTwoLaunches) {
+  KMLA_REQUIRE_GPU();
+  std::mt19937 rng(19);
+  const int64_t T = 13, ql = 256, row_stride = ql + kLatentDim + 8;  // [q_c | kv_c | k_pe | spare]
+  const float eps = 1e-6f;
+  const int bs = 16, nb = 4;
+  for (const FormatCase& f : kFormats) {
+    for (const int64_t off : {0, 1}) {
+      SCOPED_TRACE(testing::Message() << f.name << " offset " << off);
+      const DType act = f.act;
+      const int64_t slots = int64_t(nb) * bs, entry = int64_t(cache_entry_bytes(f.format));
+      const int64_t stride = bs * entry + 32;
+      std::vector<uint8_t> poison(size_t(nb * stride));
+      for (auto& b : poison) b = uint8_t(rng());
+      std::vector<uint16_t> x = random_act(size_t(T * row_stride + 1), rng, -3.0f, 3.0f, act);
+      x[size_t(off + 2 * row_stride + ql + 17)] = to_act(kNaN, act);  // row 2's latent
+      const std::vector<uint16_t> wq = random_act(size_t(ql), rng, 0.5f, 1.5f, act);
+      const std::vector<uint16_t> wkv = random_act(kKvLoraRank, rng, 0.5f, 1.5f, act);
+      std::vector<int64_t> slot(static_cast<size_t>(slots));
+      std::iota(slot.begin(), slot.end(), 0);
+      std::shuffle(slot.begin(), slot.end(), rng);
+      slot.resize(size_t(T));
+      slot[3] = -1;
+      slot[7] = slots;  // one past the end
+      DevBuf<uint16_t> dwq(wq), dwkv(wkv);
+      DevBuf<int64_t> dslots(slot);
+      auto run = [&](bool fused) {
+        DevBuf<uint16_t> dx(x);
+        DevBuf<uint8_t> dcache(poison);
+        DevBuf<int> flag(1);
+        flag.fill_bytes(0);
+        const LatentCache dev = LatentCache::borrow(dcache.ptr, Device::cuda, f.format, bs, nb,
+                                                    stride, f.k_scale, f.rule);
+        const cu::NormSegment kv{dx.ptr + off + ql, row_stride, kKvLoraRank, dwkv.ptr};
+        const cu::NormSegment q{dx.ptr + off, row_stride, int(ql), dwq.ptr};
+        cu::CacheInsertParams p;
+        p.kv = kv.x;
+        p.kv_stride = row_stride;
+        p.rope = dx.ptr + off + ql + kKvLoraRank;
+        p.rope_stride = row_stride;
+        p.act = act;
+        p.slots = dslots.ptr;
+        p.rows = T;
+        p.cache = cu::cache_ref(dev);
+        p.error_flag = flag.ptr;
+        if (fused) {
+          cu::rms_norm(kv, q, T, eps, act, nullptr, &p);
+        } else {
+          cu::rms_norm(kv, q, T, eps, act, nullptr);
+          cu::cache_insert(p, nullptr);
+        }
+        sync();
+        EXPECT_EQ(flag.download()[0], int(cu::kErrBadSlot));
+        return std::make_pair(dx.download(), dcache.download());
+      };
+      const auto two = run(false), one = run(true);
+      EXPECT_EQ(one.first, two.first);
+      EXPECT_EQ(first_difference(one.second, two.second), -1);
+      EXPECT_NE(first_difference(two.second, poison), -1);  // rows were inserted at all
+    }
+  }
+}
+
 // ---- decode query ---------------------------------------------------------------------
 
 TEST(CudaKernels, DecodeQueryRopeAndFp8) {
@@ -485,31 +556,41 @@ TEST(CudaKernels, GateMatchesSigmoidFormula) {
     DType act;
     int64_t rows, width, g_stride;
   };
-  // 16-byte path (width 384, g padded to 392), then the scalar path (odd width and stride).
-  for (const Case c : {Case{DType::bf16, 7, 384, 392}, Case{DType::f16, 5, 100, 101}}) {
-    SCOPED_TRACE(testing::Message() << "width " << c.width);
-    const std::vector<uint16_t> attn = random_act(size_t(c.rows * c.width), rng, -4, 4, c.act);
-    const std::vector<uint16_t> g = random_act(size_t(c.rows * c.g_stride), rng, -8, 8, c.act);
-    DevBuf<uint16_t> dattn(attn), dg(g);
-    cu::gate(dattn.ptr, dg.ptr, c.g_stride, c.rows, c.width, c.act, nullptr);
-    sync();
-    const std::vector<uint16_t> got = dattn.download();
-    int worst = 0, differing = 0;
-    for (int64_t t = 0; t < c.rows; ++t)
-      for (int64_t i = 0; i < c.width; ++i) {
-        const float gv = from_act(g[size_t(t * c.g_stride + i)], c.act);
-        const float a = from_act(attn[size_t(t * c.width + i)], c.act);
-        const uint16_t want = to_act(a * (1.0f / (1.0f + std::exp(-gv))), c.act);
-        const int d = act_ulps(got[size_t(t * c.width + i)], want, c.act);
-        worst = std::max(worst, d);
-        differing += d != 0;
-      }
-    // CUDA's expf is within 2 fp32 ulps of glibc's: after one rounding to act the result can
-    // move by one act ulp at a rounding boundary, and rarely does.
-    EXPECT_LE(worst, 1);
-    EXPECT_LT(differing, int(c.rows * c.width / 50));
-    EXPECT_EQ(dg.download(), g);
-  }
+  // 16-byte path (width 384, g padded to 392), then the scalar path (odd width and stride);
+  // each also with a device token count that makes the last rows padding (+0 there, also
+  // where attn is NaN: row 4).
+  for (const Case c : {Case{DType::bf16, 7, 384, 392}, Case{DType::f16, 5, 100, 101}})
+    for (const int32_t real : {-1, 3}) {
+      SCOPED_TRACE(testing::Message() << "width " << c.width << " real rows " << real);
+      std::vector<uint16_t> attn = random_act(size_t(c.rows * c.width), rng, -4, 4, c.act);
+      const std::vector<uint16_t> g = random_act(size_t(c.rows * c.g_stride), rng, -8, 8, c.act);
+      attn[size_t(4 * c.width + 1)] = to_act(kNaN, c.act);
+      DevBuf<uint16_t> dattn(attn), dg(g);
+      DevBuf<int32_t> dreal(std::vector<int32_t>{real});
+      cu::gate(dattn.ptr, dg.ptr, c.g_stride, c.rows, c.width, c.act, nullptr,
+               real < 0 ? nullptr : dreal.ptr);
+      sync();
+      const std::vector<uint16_t> got = dattn.download();
+      int worst = 0, differing = 0;
+      for (int64_t t = 0; t < c.rows; ++t)
+        for (int64_t i = 0; i < c.width; ++i) {
+          if (real >= 0 && t >= real) {
+            ASSERT_EQ(got[size_t(t * c.width + i)], 0) << "padding row " << t;
+            continue;
+          }
+          const float gv = from_act(g[size_t(t * c.g_stride + i)], c.act);
+          const float a = from_act(attn[size_t(t * c.width + i)], c.act);
+          const uint16_t want = to_act(a * (1.0f / (1.0f + std::exp(-gv))), c.act);
+          const int d = act_ulps(got[size_t(t * c.width + i)], want, c.act);
+          worst = std::max(worst, d);
+          differing += d != 0;
+        }
+      // CUDA's expf is within 2 fp32 ulps of glibc's: after one rounding to act the result can
+      // move by one act ulp at a rounding boundary, and rarely does.
+      EXPECT_LE(worst, 1);
+      EXPECT_LT(differing, int(c.rows * c.width / 50));
+      EXPECT_EQ(dg.download(), g);
+    }
 }
 
 // ---- merge --------------------------------------------------------------------------------
