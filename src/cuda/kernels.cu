@@ -256,11 +256,11 @@ __global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args)
 
 // ---- RMSNorm (and the fused cache insert) --------------------------------------------
 // Rows of at most kNormChunks x 256 values on the vector path stay in registers: lane l owns
-// the `chunks` 8-value chunks [l * chunks, (l + 1) * chunks), loads them and their weights at
-// once (one memory round trip instead of one per 256 columns and pass), and writes them
-// back scaled. Longer or unaligned rows take two passes over the row (the second hits
-// L1/L2): lane l owns columns {l*8 + 256k} (vec) or {l + 32k}. Either way a lane reads and
-// writes only its own columns, so the in-place update is race-free.
+// the `chunks` 8-value chunks [l * chunks, (l + 1) * chunks), loads them all at once (one
+// memory round trip instead of one per 256 columns and pass), then the weights (L2 hits),
+// and writes them back scaled; 116 registers, two blocks per SM. Longer or unaligned rows take two
+// passes over the row (the second hits L1/L2): lane l owns columns {l*8 + 256k} (vec) or {l + 32k}.
+// Either way a lane reads and writes only its own columns, so the in-place update is race-free.
 constexpr int kNormChunks = 8;
 
 struct NormArgs {
@@ -278,7 +278,7 @@ struct NormArgs {
 // 512-wide latent on the register path (2 chunks: lane l holds [16 l, 16 l + 16), the
 // layout of insert_row) and its rounded, normalised values also go into the cache.
 template <class T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)  // <= 128 registers: 16 rows per SM in flight
     rms_norm_kernel(NormArgs a, NormArgs b, int64_t rows, float eps, InsertArgs ins, bool insert) {
   const NormArgs s = blockIdx.y == 0 ? a : b;
   const int64_t row = warp_item();
@@ -293,15 +293,12 @@ __global__ void __launch_bounds__(kThreads)
     return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, float(s.n)), eps)));
   };
   if (s.chunks > 0) {
-    float v[kNormChunks][8], g[kNormChunks][8];
+    float v[kNormChunks][8];
     const int c0 = lane * s.chunks;
     auto mine = [&](int k) { return k < s.chunks && (c0 + k) * 8 < s.n; };
 #pragma unroll
     for (int k = 0; k < kNormChunks; ++k) {
-      if (mine(k)) {
-        load8(x + (c0 + k) * 8, true, v[k]);
-        load8(w + (c0 + k) * 8, true, g[k]);
-      }
+      if (mine(k)) load8(x + (c0 + k) * 8, true, v[k]);
     }
     float ss = 0.0f;
 #pragma unroll
@@ -315,9 +312,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kNormChunks; ++k) {
       if (mine(k)) {
+        float g[8];  // the weights (L2 hits after the first rows) in the second pass only
+        load8(w + (c0 + k) * 8, true, g);
 #pragma unroll  // the act value itself: the cache insert encodes what the row now holds
         for (int e = 0; e < 8; ++e)
-          v[k][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(v[k][e], inv), g[k][e])));
+          v[k][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(v[k][e], inv), g[e])));
         store8(x + (c0 + k) * 8, true, v[k]);
       }
     }

@@ -147,6 +147,7 @@ BlasPair& blas_for_current_device() {
 struct Plan::Data {
   CacheGeometry geo;
   bool graph_safe = false;
+  bool g_in_front = false;  // g_proj inside the front GEMM (stacked weight, a small batch)
   int64_t rows = 0;         // md.num_rows
   int64_t tokens = 0;       // md.num_tokens
   int64_t launch_rows = 0;  // rows every row-wise kernel and GEMM covers
@@ -200,7 +201,7 @@ struct Layer::Impl {
 
   Projection q_first, kv_a, front;  // front: fused [q_first; kv_a (; g)] when all are 16-bit
   bool fused_front = false;
-  int64_t g_column = -1;  // >= 0: g_proj is in the front GEMM, its output at this column
+  bool g_stacked = false;  // g_proj's rows follow [q_first; kv_a] in `front`
   Projection q_b, kv_b, g, o;
   DeviceBuffer q_norm, kv_norm, w_uk_q, w_uv;
   bool any_hidden_fp8 = false;
@@ -251,14 +252,13 @@ Layer::Impl::Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts,
   const bool kv_a_fp8 = w.fp8.count("kv_a_proj_with_mqa") != 0;
   fused_front = !q_first_fp8 && !kv_a_fp8;
   if (fused_front && cfg.use_output_gate && w.fp8.count("g_proj") == 0) {
-    g_column = front_width;  // g_proj reads the same hidden states: one GEMM, one pass over them
-    front_width += attn_width;
+    g_stacked = true;  // g_proj reads the same hidden states: one GEMM for small batches
   }
   if (fused_front) {  // one GEMM: [q_first; kv_a (; g_proj)] stacked rows
-    HostTensor stacked(act, {front_width, int64_t(cfg.hidden_size)});
+    HostTensor stacked(act, {front_width + (g_stacked ? attn_width : 0), int64_t(cfg.hidden_size)});
     std::byte* at = stacked.data<std::byte>();
     for (const HostTensor* t : {&q_first_t, &w.kv_a_proj_with_mqa, &w.g_proj}) {
-      if (t == &w.g_proj && g_column < 0) break;
+      if (t == &w.g_proj && !g_stacked) break;
       std::memcpy(at, t->data<std::byte>(), t->bytes());
       at += t->bytes();
     }
@@ -294,7 +294,7 @@ Layer::Impl::Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts,
     w_uk_q = upload_host(uk.data<std::byte>(), uk.bytes());
   }
   w_uv = upload_host(absorbed.w_uv.data<std::byte>(), absorbed.w_uv.bytes());
-  if (cfg.use_output_gate && g_column < 0) g = make_projection(w, "g_proj", w.g_proj);
+  if (cfg.use_output_gate && !g_stacked) g = make_projection(w, "g_proj", w.g_proj);
   o = make_projection(w, "o_proj", w.o_proj);
   any_hidden_fp8 = q_first_fp8 || kv_a_fp8 || g.fp8;
 
@@ -464,7 +464,10 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->off_x8 = L.take(size_t(rows * hs));
     d->off_x8s = L.take(act_scale_elems(rows, hs) * 4);
   }
-  d->off_front = L.take(size_t(rows * front_width) * as);
+  // Batches under kAuxStreamMaxRows rows run the stacked g_proj inside the front GEMM (its
+  // output [rows, attn_width] right of the front end's); larger ones keep it a GEMM of its own.
+  d->g_in_front = g_stacked && rows < kAuxStreamMaxRows;
+  d->off_front = L.take(size_t(rows * (front_width + (d->g_in_front ? attn_width : 0))) * as);
   if (cfg.q_lora_rank) {
     d->off_q = L.take(size_t(rows * q_width) * as);
     if (q_b.fp8) {  // W8A8 q_b: q_c quantized per 128
@@ -487,7 +490,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->off_dwork = L.take(d->decode.workspace_bytes);
   }
   d->off_attn = L.take(size_t(rows * attn_width) * as);
-  if (cfg.use_output_gate && g_column < 0) d->off_g = L.take(size_t(rows * attn_width) * as);
+  if (cfg.use_output_gate && !d->g_in_front) d->off_g = L.take(size_t(rows * attn_width) * as);
   if (o.fp8) {  // W8A8 o_proj: the gated attention output quantized per 128
     d->off_o8 = L.take(size_t(rows * attn_width));
     d->off_o8s = L.take(act_scale_elems(rows, attn_width) * 4);
@@ -542,6 +545,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   const size_t as = dtype_size(act);
   const int H = heads;
   const int64_t rows = d.launch_rows;
+  const int64_t fw = d.g_in_front ? front_width + attn_width : front_width;  // front row stride
   DeviceBatch batch;
   batch.block_tables = static_cast<const int32_t*>(at(d.off_tables));
   batch.seq_lens = static_cast<const int32_t*>(at(d.off_seq));
@@ -565,26 +569,23 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     auto* x8s = static_cast<float*>(at(d.off_x8s));
     if (any_hidden_fp8) quantize_act_fp8(hidden.data, hs, rows, hs, act, x8, x8s, s);
     void* front_out = at(d.off_front);
-    if (fused_front && g_column >= 0 && rows >= kAuxStreamMaxRows) {
-      // Large batches: the stacked weight as two GEMMs ([q_first; kv_a], then g_proj), which
-      // measured 1.7 % faster on the 8k-token K3 prefill than one (docs/PERF.md, 2026-12-05).
-      const auto* wg =
-          static_cast<const std::byte*>(front.values.data()) + g_column * hs * int64_t(as);
-      blas.main.linear(rows, g_column, hs, hidden.data, hs, front.values.data(), front_out,
-                       front_width, act, s);
-      blas.main.linear(rows, attn_width, hs, hidden.data, hs, wg,
-                       static_cast<std::byte*>(front_out) + g_column * as, front_width, act, s);
+    if (g_stacked && !d.g_in_front) {
+      // Large batches: the stacked weight as two GEMMs, g_proj's into its own buffer (one GEMM
+      // into the wide front buffer measured 1.7 % slower on the 8k-token K3 prefill).
+      const auto* wg = static_cast<const std::byte*>(front.values.data()) + fw * hs * int64_t(as);
+      blas.main.linear(rows, fw, hs, hidden.data, hs, front.values.data(), front_out, fw, act, s);
+      blas.main.linear(rows, attn_width, hs, hidden.data, hs, wg, at(d.off_g), attn_width, act, s);
     } else if (fused_front) {
-      project(front, rows, hidden.data, hs, nullptr, nullptr, front_out, front_width, blas.main, s);
+      project(front, rows, hidden.data, hs, nullptr, nullptr, front_out, fw, blas.main, s);
     } else {
-      project(q_first, rows, hidden.data, hs, x8, x8s, front_out, front_width, blas.main, s);
-      project(kv_a, rows, hidden.data, hs, x8, x8s, static_cast<std::byte*>(front_out) + kv_offset * as,
-              front_width, blas.main, s);
+      project(q_first, rows, hidden.data, hs, x8, x8s, front_out, fw, blas.main, s);
+      project(kv_a, rows, hidden.data, hs, x8, x8s,
+              static_cast<std::byte*>(front_out) + kv_offset * as, fw, blas.main, s);
     }
   }
   // A g_proj of its own (fp8 weights) depends only on the hidden states: on the auxiliary
   // stream for small batches.
-  const bool own_g = cfg.use_output_gate && g_column < 0;
+  const bool own_g = cfg.use_output_gate && !g_stacked;
   const bool use_aux = own_g && options.aux_stream && rows > 0 && rows < kAuxStreamMaxRows;
   if (own_g && rows > 0) {
     cudaStream_t gs = use_aux ? raw(options.aux_stream) : s;
@@ -599,30 +600,30 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   }
 
   auto* front_out = static_cast<std::byte*>(at(d.off_front));
-  std::byte* kv_c = front_out + kv_offset * as;  // [rows, 512] at stride front_width
-  std::byte* k_pe = kv_c + kKvLoraRank * as;      // [rows, 64] at stride front_width
+  std::byte* kv_c = front_out + kv_offset * as;   // [rows, 512] at stride fw
+  std::byte* k_pe = kv_c + kKvLoraRank * as;      // [rows, 64] at stride fw
   std::byte* q = front_out;                       // [rows, H*192] at stride q_stride
-  int64_t q_stride = front_width;
+  int64_t q_stride = fw;
   const std::byte* k_rope = k_pe;  // the rotated key rope part, act
-  int64_t k_rope_stride = front_width;
+  int64_t k_rope_stride = fw;
   if (rows > 0) {
     NvtxRange r("norms, q_b, rope, cache insert");
     NormSegment qn, kvn;
     kvn.x = kv_c;
-    kvn.stride = front_width;
+    kvn.stride = fw;
     kvn.n = kKvLoraRank;
     kvn.weight = kv_norm.data();
     if (cfg.q_lora_rank) {
       qn.x = front_out;
-      qn.stride = front_width;
+      qn.stride = fw;
       qn.n = *cfg.q_lora_rank;
       qn.weight = q_norm.data();
     }
     CacheInsertParams ci;  // without RoPE the keys are final here: the norm's launch inserts them
     ci.kv = kv_c;
-    ci.kv_stride = front_width;
+    ci.kv_stride = fw;
     ci.rope = k_pe;
-    ci.rope_stride = front_width;
+    ci.rope_stride = fw;
     ci.act = act;
     ci.slots = batch.slot_mapping;
     ci.rows = rows;
@@ -633,8 +634,8 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       const int64_t ql = *cfg.q_lora_rank;
       auto* qc8 = static_cast<uint8_t*>(at(d.off_qc8));
       auto* qc8s = static_cast<float*>(at(d.off_qc8s));
-      if (q_b.fp8) quantize_act_fp8(front_out, front_width, rows, ql, act, qc8, qc8s, s);
-      project(q_b, rows, front_out, front_width, qc8, qc8s, at(d.off_q), q_width, blas.main, s);
+      if (q_b.fp8) quantize_act_fp8(front_out, fw, rows, ql, act, qc8, qc8s, s);
+      project(q_b, rows, front_out, fw, qc8, qc8s, at(d.off_q), q_width, blas.main, s);
       q = static_cast<std::byte*>(at(d.off_q));
       q_stride = q_width;
     }
@@ -650,7 +651,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       rp.q_f32 = keep_f32 ? static_cast<float*>(at(d.off_qf32)) : nullptr;
       rp.q_f32_rows = keep_f32 ? d.decode_rows : 0;
       rp.k_pe = k_pe;
-      rp.k_stride = front_width;
+      rp.k_stride = fw;
       rp.k_act = at(d.off_krope);
       rp.k_f32 = keep_f32 ? static_cast<float*>(at(d.off_kf32)) : nullptr;
       rp.act = act;
@@ -771,7 +772,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     std::byte* new_out = attn + Td * attn_width * as;
     auto* new_lse = static_cast<float*>(at(d.off_new_lse));
     const auto* cu_new = static_cast<const int32_t*>(at(d.off_cu_new));
-    attend(Tp, kv_c + Td * front_width * as, front_width, const_cast<std::byte*>(k_rope) + Td * k_rope_stride * as,
+    attend(Tp, kv_c + Td * fw * as, fw, const_cast<std::byte*>(k_rope) + Td * k_rope_stride * as,
            k_rope_stride, cu_new, cu_new, d.num_prefills, d.max_new_len, true, new_out, new_lse);
 
     // Cached context, chunk by chunk, merged left to right into the prefix.
@@ -834,8 +835,9 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     NvtxRange r("gate, o_proj");
     if (cfg.use_output_gate) {
       if (use_aux) KMLA_CUDA_CHECK(cudaStreamWaitEvent(s, join, 0));
-      const void* gv = own_g ? at(d.off_g) : static_cast<const void*>(front_out + g_column * as);
-      gate(attn, gv, own_g ? attn_width : front_width, rows, attn_width, act, s,
+      const void* gv =
+          d.g_in_front ? static_cast<const void*>(front_out + front_width * as) : at(d.off_g);
+      gate(attn, gv, d.g_in_front ? fw : attn_width, rows, attn_width, act, s,
            gate_zeroes ? batch.num_tokens : nullptr);
     }
     auto* o8 = static_cast<uint8_t*>(at(d.off_o8));
