@@ -7,13 +7,14 @@
 // upload() copies that image to the front of the workspace; run() only launches. A plan made
 // against a DecodeShape takes every launch dimension from the shape and the row count, and
 // every length from the device metadata, so one captured graph replays any batch of that
-// shape: kernels skip padded request slots (query_len 0) and the last kernel zeroes the rows
-// past the device's num_tokens.
+// shape: kernels skip padded request slots (query_len 0) and the rows past the device's
+// num_tokens come out zero (the gate zeroes o_proj's input rows, or a last kernel the output).
 //
 // Workspace (256-byte aligned regions, sizes in rows of the plan's launch_rows):
-//   metadata image | x8 + scales (W8A8 hidden) | front [rows, front_width] | q [rows, H*192]
-//   | k_rope [rows, 64] | fp32 rope copies (plain fp8 + RoPE) | decode: mqa, q8, latent, lse,
-//   split partials | attn [rows, H*128] | g [rows, H*128] | attn8 + scales (W8A8 o_proj)
+//   metadata image | x8 + scales (W8A8 hidden) | front [rows, front_width (+ H*128: g_proj's
+//   output, small batches)] | q [rows, H*192] | k_rope [rows, 64] | fp32 rope copies (plain fp8
+//   + RoPE) | decode: mqa, q8, latent, lse, split partials | attn [rows, H*128] | g [rows, H*128]
+//   (unless in front) | attn8 + scales (W8A8 o_proj)
 //   | prefill: kv [keys, hg*256] (+ W8A8 latents), new/ctx/chunk LSEs and outputs, gather rows.
 #include <nvtx3/nvToolsExt.h>
 
