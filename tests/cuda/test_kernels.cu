@@ -91,7 +91,7 @@ TEST(CudaKernels, RmsNormTwoSegmentsInOneLaunch) {
   // path: 6 and 2 chunks per lane), the second puts kv_c one element off and the stride odd
   // (scalar path for both), the third skips segment b (n = 0) and must leave it untouched, the
   // fourth has a row too long for registers (2312 = 9 chunks x 256 + 8: the two-pass vector
-  // path) and a b of 392 (2 chunks per lane, the last 7 lanes without a second one).
+  // path) and a b of 392 (49 chunks at 2 per lane: lane 24 has one, lanes 25-31 none).
   for (const Case c :
        {Case{DType::bf16, 2120, 1536, 1536, 512}, Case{DType::f16, 2121, 1537, 1536, 512},
         Case{DType::bf16, 2120, 1536, 1536, 0}, Case{DType::bf16, 2720, 2320, 2312, 392}}) {
