@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with all cores (Hopper target only), run the GPU tests,
 # then the benchmark and the PyTorch peers. Logs and JSON go to $OUT (or ./gpu-out).
-# Usage: scripts/gpu_check.sh [tests|bench|all] [ctest -R regex]
+# Usage: scripts/gpu_check.sh [tests|sanitize|bench|all] [ctest -R regex]
+#        scripts/gpu_check.sh ab CASES SETTING SETTING...
+# The ab form times `kmla bench --only CASES` under each SETTING (environment assignments,
+# e.g. "KMLA_DECODE_SM90_SEESAW=1"; "" for the defaults), the settings alternated twice in
+# one process each so that clock and machine drift hit them alike, one line per case.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 regex=${2:-cuda}
+if [ "$what" = ab ] && [ $# -lt 4 ]; then
+  echo "usage: $0 ab CASES SETTING SETTING..." >&2
+  exit 2
+fi
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
@@ -35,6 +43,19 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     --gtest_filter='CudaGraph.*:Grid/CudaCase.HopperPathMatchesOracle/kimi_k3_dspark_small_fp8_ds_mla_bs16' \
     >>"$log" 2>&1; echo "memcheck layer rc=$?" | tee -a "$log"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$log" | sort | uniq -c | head -20
+fi
+if [ "$what" = ab ]; then
+  cases=$2
+  shift 2
+  for round in 1 2; do
+    for setting in "$@"; do
+      # shellcheck disable=SC2086  # a setting is a list of assignments
+      env $setting build-gpu/kmla bench --only "$cases" --json >"$out/ab.json" 2>"$out/ab.err" ||
+        { echo "bench failed under '$setting'"; tail -5 "$out/ab.err"; }
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f\"{sys.argv[2] or 'defaults':40.40s} {sys.argv[3]} {c.get('name'):56.56s} {c.get('us') or 0:9.1f} us {c.get('tflops') or 0:7.1f} TF {c.get('frac_copy_bw') or 0:6.3f} copy {c.get('floor_ratio') or 0:6.3f} x {c.get('error', '')}\") for c in d.get('cases', [])]" "$out/ab.json" "$setting" "$round"
+    done
+  done
+  rm -f "$out/ab.json" "$out/ab.err"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   build-gpu/kmla bench --json ${BENCH_ARGS:-} > "$out/bench.json" 2>"$out/bench.err"

@@ -153,6 +153,105 @@ __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint3
   wgmma_commit();
 }
 
+// Copies the piece's 64 query rows into the Q tile at q_s by cp.async (rows past the request
+// zero-filled; not committed) and returns the output row of local row 0.
+__device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork& work,
+                                          uint32_t q_s) {
+  const int64_t out_row0 = int64_t(a.query_start[work.r]) * a.heads + work.row0;
+  const uint8_t* q = static_cast<const uint8_t*>(a.q) + out_row0 * kRowBytes;
+  for (int i = threadIdx.x; i < kRows * kRowChunks; i += kThreads) {
+    const int row = i / kRowChunks, c = i % kRowChunks;
+    const bool ok = work.row0 + row < work.nrows;
+    cp_async16(q_s + tile_offset(row, c), ok ? q + row * kRowBytes + c * 16 : a.q, ok);
+  }
+  return out_row0;
+}
+
+// Normalises this thread's two rows (row_lo and row_lo + 8 of the tile) of the O half of
+// warpgroup wg and writes them to the output, or to the piece's fp32 partial; warpgroup 0
+// also writes the LSE. m: the rows' final running maxima (log2 domain, scores scaled), l:
+// their complete row sums. No visible key <=> l = 0 (the row's max key adds 2^0 = 1).
+template <class T>
+__device__ __forceinline__ void write_rows(const DecodeArgs& a, const DecodeWork& work,
+                                           int64_t out_row0, const float (&o)[128], int wg,
+                                           int row_lo, int t, const float (&m)[2],
+                                           const float (&l)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_lo + 8 * h;
+    if (work.row0 + row >= work.nrows) continue;
+    const bool empty = !(l[h] > 0.0f);
+    const float inv = empty ? 0.0f : a.v_scale / l[h];
+    const float lse = empty ? kNegInf : (m[h] + __log2f(l[h])) * kLn2;
+    const int col0 = kHalfCols * wg + 2 * t;
+    if (work.direct) {
+      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        *reinterpret_cast<uint32_t*>(out + 8 * i) =
+            pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+      if (wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
+    } else {
+      const int64_t w = work.part + int64_t(row) * work.part_stride;
+      if (!empty) {
+        float* out = a.ws_o + w * kKvLoraRank + col0;
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          *reinterpret_cast<float2*>(out + 8 * i) =
+              make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+      }
+      if (wg == 0 && t == 0) a.ws_lse[w] = lse;
+    }
+  }
+}
+
+// Multiplies this thread's two rows of an O half by c_lo / c_hi, unless `skip` and no row
+// of the warp has a factor other than exactly 1 (warp-uniform: 2^0 = 1 changes nothing).
+__device__ __forceinline__ void rescale_o(float (&o)[128], float c_lo, float c_hi, bool skip) {
+  if (skip && !__any_sync(0xffffffffu, c_lo != 1.0f || c_hi != 1.0f)) return;
+  const float c[2] = {c_lo, c_hi};
+  scale_acc_rows(o, c);
+}
+
+// ---- the seesaw form (DecodeSm90Options::seesaw) ----
+// S of the key tile at kt over panels [P0, P1), waiting for each panel's bulk copies (the
+// mbarrier at bar0 + 8 p, phase parity `parity`) right before its four k-steps: 4 wgmma
+// m64n64k16 per panel, accumulating from panel 0 on. Issued and committed, not waited for.
+// kWait = false: the caller has waited for the panels already.
+template <class T, int P0, int P1, bool kWait = true>
+__device__ __forceinline__ void issue_s_panels(float (&s)[32], uint32_t q_s, uint32_t kt,
+                                               uint32_t bar0, uint32_t parity) {
+  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
+#pragma unroll
+  for (int pn = P0; pn < P1; ++pn) {
+    if constexpr (kWait) {
+      mbar_wait(bar0 + 8 * pn, parity);
+      wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t off = (pn * kPanelBytes + kk * 32) >> 4;
+      wgmma_ss_m64n64k16<T, false>(s, make_desc_halves(q_lo + off, kDescHi),
+                                   make_desc_halves(k_lo + off, kDescHi), pn > 0 || kk > 0);
+    }
+  }
+  wgmma_commit();
+}
+
+// O half of warpgroup wg += P V with P from this thread's registers (p[j] = the T pair of
+// accumulator values 2j, 2j + 1 of its S: for k-step kk, p[4 kk .. 4 kk + 3] is exactly the
+// A fragment of keys 16 kk .. 16 kk + 15) and V read MN-major as in issue_pv.
+template <class T>
+__device__ __forceinline__ void issue_pv_regs(float (&o)[128], const uint32_t (&p)[16], uint32_t kt,
+                                              int wg) {
+  const uint32_t v_lo = desc_lo(kt + 4 * wg * kPanelBytes, kPanelBytes);
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    wgmma_rs_m64n256k16<T, true>(
+        o, p + 4 * kk, make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
+  wgmma_commit();
+}
+
 #endif  // KMLA_SM90A
 
 // Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
@@ -167,6 +266,7 @@ struct KernelFlags {
   int tma_keys;
   bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
   bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
+  bool late_b;       // DecodeSm90Options::seesaw_late_b (seesaw only)
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -252,17 +352,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  // ---- Q -> shared memory (rows past the request zero-filled) ----
-  const int64_t out_row0 = int64_t(a.query_start[r]) * a.heads + row0;
   const uint32_t q_s = base + kQOff;
-  {
-    const uint8_t* q = static_cast<const uint8_t*>(a.q) + out_row0 * kRowBytes;
-    for (int i = tid; i < kRows * kRowChunks; i += kThreads) {
-      const int row = i / kRowChunks, c = i % kRowChunks;
-      const bool ok = row0 + row < nrows;
-      cp_async16(q_s + tile_offset(row, c), ok ? q + row * kRowBytes + c * 16 : a.q, ok);
-    }
-  }
+  const int64_t out_row0 = load_q(a, work, q_s);
 
   // ---- key tile loader ----
   const int my_key = tid >> 2, my_part = tid & 3;
@@ -531,51 +622,384 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     mbar_inval(&full_bar[0]);
     mbar_inval(&full_bar[1]);
   }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = h ? row_hi : row_lo;
-    if (row0 + row >= nrows) continue;
-    const float m = h ? m_hi : m_lo;
-    const float l = red_sum[row] + red_sum[kRows + row];
-    // No visible key <=> l = 0 (the row's max key adds 2^0 = 1); with the wide S only
-    // warpgroup 0 tracks m (and writes the LSE), l comes to both through red_sum.
-    const bool empty = !(l > 0.0f);
-    const float inv = empty ? 0.0f : a.v_scale / l;
-    const float lse = empty ? kNegInf : (m + __log2f(l)) * kLn2;
-    const int col0 = kHalfCols * wg + 2 * t;
-    if (work.direct) {
-      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
-#pragma unroll
-      for (int i = 0; i < 32; ++i)
-        *reinterpret_cast<uint32_t*>(out + 8 * i) =
-            pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-      if (wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
-    } else {
-      const int64_t w = work.part + int64_t(row) * work.part_stride;
-      if (!empty) {
-        float* out = a.ws_o + w * kKvLoraRank + col0;
-#pragma unroll
-        for (int i = 0; i < 32; ++i)
-          *reinterpret_cast<float2*>(out + 8 * i) =
-              make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-      }
-      if (wg == 0 && t == 0) a.ws_lse[w] = lse;
-    }
-  }
+  // With the wide S only warpgroup 0 tracks m; write_rows takes the LSE from it alone.
+  const float l_sum[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
+                          red_sum[row_hi] + red_sum[kRows + row_hi]};
+  write_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_sum);
 #else
   (void)a, (void)work, (void)flags, (void)kmap;
   __trap();  // never launched without sm_90a code (decode_sm90_supports checks the binary)
 #endif
 }
 
+// ---- the seesaw form -----------------------------------------------------------------
+// Two key tiles per step, A (even, stage 0) and B (odd, stage 1), and one running max m per
+// row shared through shared memory; warpgroup 0 owns O's columns 0-255 (O_L), warpgroup 1
+// columns 256-511 (O_R), and each computes the whole S of one tile (A on warpgroup 0, B on
+// warpgroup 1, 36 wgmma m64n64k16 each). With P_A = exp2(S_A - m_A), m_A = max(m, max S_A),
+// c_A = 2^(m - m_A), and P_B, m_B, c_B the same after A:
+//   wg 0: softmax A -> m_A, c_A; P_A -> smem | wg 1: (waits for P_A)
+//         O_L = O_L c_A + P_A V_AL            |       O_R = O_R c_A + P_A V_AR, and under it
+//         (waits for P_B)                     |       softmax B -> m_B, c_B; P_B -> smem
+//         O_L = O_L c_B + P_B V_BL            |       O_R = O_R c_B + P_B V_BR
+//         S of the next A                     |       S of the next B
+// so a softmax runs under MMAs (the other warpgroup's, or warpgroup 1's own P_A V_AR), the
+// local product takes P from registers and the other warpgroup's from the P panel, both
+// rounded to T once (the same bits), and O stays one 64 x 512 accumulator split over the
+// two warpgroups (after the seesaw schedule of FlashMLA's 2025 kernel: the same online
+// softmax, regrouped).
+//
+// Shared memory is the two-stage layout above: the P panel of a tile goes into the tile's
+// own panel 8 (only S reads key columns 512-575, and S is done when P is written), and the
+// P region holds the running max, the two rescale factors and the key flags. Each of the 18
+// panels of the two stages has its own mbarrier, so S starts on panel 0 while later panels
+// are still in flight, and each stage is refilled in halves by the warpgroup that read it
+// last, as soon as its last product on them has finished: warpgroup 0 refills panels 0-3
+// (V_L) of either stage and panel 8 of stage 1 (P_B), warpgroup 1 panels 4-7 (V_R) and
+// panel 8 of stage 0 (P_A). A refill's issuing warp (the first of the warpgroup) writes
+// that half's key flags; a tile with keys not ok (past the split, or behind a bad block id)
+// has its V rows zeroed by each warpgroup on its own half before use.
+//
+// Named barriers (256 threads, one side arrives, the other waits): 1 P_A, m_A and c_A
+// written, 2 P_B, m_B and c_B written; 5 and 6 (128) are the warpgroups' own, after zeroing
+// V rows.
+template <class T>
+__device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const DecodeWork& work,
+                                                  const KernelFlags& flags,
+                                                  const CUtensorMap& kmap) {
+#if KMLA_SM90A
+  __shared__ __align__(8) uint64_t bars[2 * kPanels];  // [stage][panel]: the panel landed
+  __shared__ uint8_t fix_s[2][2][2];                   // [half][use & 1][stage]: keys not ok
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  uint8_t* const smem = smem_raw + (base - raw_u32);
+  float* const row_m = reinterpret_cast<float*>(smem + kPOff);  // [64] running max
+  float* const scale_a = row_m + kRows;                         // [64] c_A
+  float* const scale_b = scale_a + kRows;                       // [64] c_B
+  uint8_t* const key_ok_all = smem + kPOff + 1024;  // [half][use & 1][stage][64] key flags
+  float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);  // [2][64]
+
+  const int r = work.r, row0 = work.row0;
+  const int qlen = work.qlen, seq = work.seq, nrows = work.nrows;
+  const int key0 = work.key0, key1 = work.key1;
+  const int ntiles = key1 > key0 ? (key1 - key0 + kKeys - 1) / kKeys : 0;
+  const int tid = threadIdx.x;
+  if (ntiles == 0 && !work.direct) {
+    if (tid < kRows && row0 + tid < nrows)
+      a.ws_lse[work.part + int64_t(tid) * work.part_stride] = kNegInf;
+    return;
+  }
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
+  // My half's flags. A stage's flags are written by the refill and read by every warp of
+  // the warpgroup later on, so they alternate between two slots by the stage's use count
+  // (tile / 2): a refill never overwrites the flags of a tile another warp may still read.
+  uint8_t* const key_ok = key_ok_all + wg * 4 * kKeys;
+
+  const uint32_t q_s = base + kQOff;
+  const int64_t out_row0 = load_q(a, work, q_s);
+  cp_async_commit();
+  if (tid == 0) {
+    for (int i = 0; i < 2 * kPanels; ++i) mbar_init(&bars[i], 1);
+    fence_mbarrier_init();
+  }
+  if (tid < kRows) row_m[tid] = kNegInf;
+  __syncthreads();
+  const uint32_t bar_a = smem_u32(bars);
+
+  // ---- refills: the first warp of each warpgroup issues its half of a tile ----
+  const int group = flags.tma_keys;  // keys per bulk copy: 8, 16, 32 or 64
+  const bool issuer = warp == 0;
+  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
+  auto fetch = [&](int tile) -> int {  // lane's block id for `tile`, read only if used
+    const int pos = key0 + tile * kKeys + group * lane;
+    return issuer && tile < ntiles && group * lane < kKeys && pos < key1
+               ? table[decode_block_of(a, pos)]
+               : -1;
+  };
+  auto refill = [&](int tile, int stage, int block) {  // issuing warp only
+    const int pos = key0 + tile * kKeys + group * lane;
+    const bool any = group * lane < kKeys && pos < key1;
+    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
+    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
+    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
+    bool all_ok = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = lane + 32 * h;
+      const bool ok = (good_groups >> (k / group) & 1u) && key0 + tile * kKeys + k < key1;
+      key_ok[((tile >> 1 & 1) * 2 + stage) * kKeys + k] = ok;
+      all_ok = all_ok && ok;
+    }
+    const bool fix = !__all_sync(0xffffffffu, all_ok);
+    // My panels: 4 wg .. 4 wg + 3, and panel 8 where the other warpgroup's tile is.
+    const int p0 = 4 * wg;
+    const bool with8 = stage != wg;
+    if (lane == 0) {
+      fix_s[wg][tile >> 1 & 1][stage] = fix;
+      const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&bars[stage * kPanels + p0 + i], bytes);
+      if (with8) mbar_arrive_expect_tx(&bars[stage * kPanels + 8], bytes);
+    }
+    __syncwarp();  // the bytes are announced before any copy can complete
+    if (good) {
+      const uint32_t dst = base + kKOff + stage * kTileBytes + lane * group * kPanelRowBytes;
+      const int row = decode_row_in_block(a, pos);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        tma_load_3d(dst + (p0 + i) * kPanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
+                    &bars[stage * kPanels + p0 + i]);
+      if (with8)
+        tma_load_3d(dst + 8 * kPanelBytes, &kmap, 8 * kPanelElems, row, block,
+                    &bars[stage * kPanels + 8]);
+    }
+  };
+  // Zeroes my V half's rows of the keys not ok in `stage` (P is 0 there, but 0 x NaN is
+  // NaN), then makes the stores visible to my warpgroup's MMAs. Warpgroup-uniform.
+  auto fix_v = [&](int stage, int use) {
+    if (!fix_s[wg][use][stage]) return;
+    const int ti = tid & 127;
+    for (int i = ti; i < kKeys * 32; i += 128) {
+      const int key = i >> 5, c = 32 * wg + (i & 31);
+      if (!key_ok[(use * 2 + stage) * kKeys + key])
+        *reinterpret_cast<uint4*>(smem + kKOff + stage * kTileBytes + tile_offset(key, c)) =
+            make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    if (wg)
+      named_bar_sync<6, 128>();
+    else
+      named_bar_sync<5, 128>();
+  };
+
+  int blk_a = -1, blk_b = -1;  // block ids of the next refills (issuing warp's lanes)
+  if (issuer && ntiles > 0) {
+    const int b0 = fetch(0), b1 = fetch(1);
+    blk_a = fetch(2);
+    blk_b = fetch(3);
+    refill(0, 0, b0);
+    if (ntiles > 1) refill(1, 1, b1);
+  }
+
+  const int count_lo = decode_row_keys(a, qlen, seq, nrows, row0 + row_lo);
+  const int count_hi = decode_row_keys(a, qlen, seq, nrows, row0 + row_hi);
+  float l_lo = 0.0f, l_hi = 0.0f;  // my warpgroup's partial row sums, relative to row_m
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.0f;  // defined before the first MMA reads it
+  const uint32_t kt0 = base + kKOff, kt1 = kt0 + kTileBytes;
+  const uint32_t p_a = kt0 + 8 * kPanelBytes, p_b = kt1 + 8 * kPanelBytes;  // P panels
+  const bool skip = flags.skip_rescale;
+
+  // Softmax of my tile's S in s (stage `stage`, first key kpos0): masks, updates row_m,
+  // writes the rows' factor 2^(m_old - m_new) to `scale_out`, leaves p in s and returns
+  // the factors and the row sums of p.
+  auto softmax = [&](int stage, int use, int kpos0, float* scale_out, float(&c)[2],
+                     float(&sum)[2]) {
+    const uint8_t* ok = key_ok + (use * 2 + stage) * kKeys + 2 * t;
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * i + (e & 1);
+        const bool visible = ok[col] && kpos0 + 2 * t + col < (e < 2 ? count_lo : count_hi);
+        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
+      }
+      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    float mref[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float m_old = row_m[h ? row_hi : row_lo];
+      const float m_new = fmaxf(m_old, mx[h]);
+      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+      mref[h] = m_new == kNegInf ? 0.0f : m_new;
+      c[h] = fast_exp2(m_old - mref[h]);
+      mx[h] = m_new;
+    }
+    __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
+    if (t == 0) {
+      row_m[row_lo] = mx[0];
+      row_m[row_hi] = mx[1];
+      scale_out[row_lo] = c[0];
+      scale_out[row_hi] = c[1];
+    }
+    sum[0] = sum[1] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
+      sum[0] += s[4 * i] + s[4 * i + 1];
+      sum[1] += s[4 * i + 2] + s[4 * i + 3];
+    }
+  };
+
+  cp_async_wait_all();  // my copies of Q
+  fence_proxy_async();
+  __syncthreads();  // everyone's Q
+  // The first S of each warpgroup (with the late S of B, warpgroup 1 computes it in the loop).
+  if (ntiles > 0 && (wg == 0 || (ntiles > 1 && !flags.late_b))) {
+    for (int pn = 0; pn < kPanels; ++pn) mbar_wait(bar_a + 8 * (wg * kPanels + pn), 0);
+    wgmma_fence();
+    issue_s_panels<T, 0, kPanels, false>(s, q_s, wg == 0 ? kt0 : kt1, bar_a, 0);
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
+
+  for (int ta = 0; ta < ntiles; ta += 2) {
+    const int tb = ta + 1;
+    const bool has_b = tb < ntiles, next_a = ta + 2 < ntiles, next_b = tb + 2 < ntiles;
+    const int use = ta >> 1 & 1;  // of both stages in this step: flag slot, mbarrier parity
+    const uint32_t next_parity = uint32_t(use ^ 1);
+    float c[2], sum[2];
+    if (wg == 0) {
+      // ---- softmax A, P_A for warpgroup 1; O_L = O_L c_A + P_A V_AL ----
+      softmax(0, use, key0 + ta * kKeys, scale_a, c, sum);
+      store_p<T, 8>(smem + kKOff + 8 * kPanelBytes, s, 0, warp, g, t);
+      fence_proxy_async();
+      named_bar_arrive<1, kThreads>();
+      l_lo = l_lo * c[0] + sum[0];
+      l_hi = l_hi * c[1] + sum[1];
+      rescale_o(o, c[0], c[1], skip);
+      uint32_t pr[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
+      fix_v(0, use);
+      wgmma_fence();
+      issue_pv_regs<T>(o, pr, kt0, 0);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pr);  // the MMA read pr asynchronously: no reuse before the wait
+      if (issuer && next_a) refill(ta + 2, 0, blk_a);  // panels 0-3 of stage 0 are free
+      // ---- O_L = O_L c_B + P_B V_BL; S of the next A under it ----
+      if (has_b) {
+        named_bar_sync<2, kThreads>();  // (also: warpgroup 1 waited for stage 1's panels)
+        fix_v(1, use);
+        const float cb[2] = {scale_b[row_lo], scale_b[row_hi]};
+        l_lo *= cb[0];
+        l_hi *= cb[1];
+        rescale_o(o, cb[0], cb[1], skip);
+        wgmma_fence();
+        issue_pv<T>(o, p_b, kt1, 0);
+      }
+      if (next_a) {
+        wgmma_fence();
+        issue_s_panels<T, 0, 4>(s, q_s, kt0, bar_a, next_parity);
+        wgmma_wait<1>();  // P_B V_BL, so panels 0-3 and 8 of stage 1 are free
+        fence_regs(o);
+        if (issuer && next_b) refill(tb + 2, 1, blk_b);
+        wgmma_fence();
+        issue_s_panels<T, 4, kPanels>(s, q_s, kt0, bar_a, next_parity);
+      }
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(s);
+    } else {
+      // ---- O_R = O_R c_A + P_A V_AR, with the softmax of B under it (with the late S
+      // of B: P_A V_AR, then S of B, then its softmax) ----
+      named_bar_sync<1, kThreads>();
+      const float ca[2] = {scale_a[row_lo], scale_a[row_hi]};
+      rescale_o(o, ca[0], ca[1], skip);
+      fix_v(0, use);
+      wgmma_fence();
+      issue_pv<T>(o, p_a, kt0, 1);
+      bool refilled_a = false;
+      if (flags.late_b && has_b) {
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (issuer && next_a) refill(ta + 2, 0, blk_a);
+        refilled_a = true;
+        wgmma_fence();
+        issue_s_panels<T, 0, kPanels>(s, q_s, kt1, bar_a + 8 * kPanels, uint32_t(use));
+        wgmma_wait<0>();
+        fence_regs(s);
+      }
+      uint32_t pr[16];
+      if (has_b) {
+        softmax(1, use, key0 + tb * kKeys, scale_b, c, sum);
+        store_p<T, 8>(smem + kKOff + kTileBytes + 8 * kPanelBytes, s, 0, warp, g, t);
+        fence_proxy_async();  // my P_B stores -> warpgroup 0's MMAs
+        named_bar_arrive<2, kThreads>();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
+      }
+      wgmma_wait<0>();  // P_A V_AR: panels 4-8 of stage 0 are free
+      fence_regs(o);
+      if (issuer && next_a && !refilled_a) refill(ta + 2, 0, blk_a);
+      // ---- O_R = O_R c_B + P_B V_BR ----
+      l_lo *= ca[0];
+      l_hi *= ca[1];
+      if (has_b) {
+        l_lo = l_lo * c[0] + sum[0];
+        l_hi = l_hi * c[1] + sum[1];
+        rescale_o(o, c[0], c[1], skip);
+        fix_v(1, use);
+        wgmma_fence();
+        issue_pv_regs<T>(o, pr, kt1, 1);
+        wgmma_wait<0>();  // panels 4-7 of stage 1 are free
+        fence_regs(o);
+        fence_regs(pr);
+        if (issuer && next_b) refill(tb + 2, 1, blk_b);
+      }
+      if (next_b && !flags.late_b) {
+        wgmma_fence();
+        issue_s_panels<T, 0, kPanels>(s, q_s, kt1, bar_a + 8 * kPanels, next_parity);
+        wgmma_wait<0>();
+        fence_regs(s);
+      }
+    }
+    if (issuer) {  // the next step's block ids, off this step's path
+      blk_a = fetch(ta + 4);
+      blk_b = fetch(tb + 4);
+    }
+  }
+
+  // ---- finish: both warpgroups' row sums, normalise, write ----
+  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before the barrier below
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
+  }
+  if (t == 0) {
+    red_sum[wg * kRows + row_lo] = l_lo;
+    red_sum[wg * kRows + row_hi] = l_hi;
+  }
+  __syncthreads();  // (also: every wait on the mbarriers of this piece is behind all threads)
+  if (tid == 0)
+    for (int i = 0; i < 2 * kPanels; ++i) mbar_inval(&bars[i]);
+  const float l_sum[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
+                          red_sum[row_hi] + red_sum[kRows + row_hi]};
+  write_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_sum);
+#else
+  (void)a, (void)work, (void)flags, (void)kmap;
+  __trap();
+#endif
+}
+
 // One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
 // the other.
-template <class T, bool kWideS>
+// kForm: 0 the S halves, 1 the wide S (both sm90_piece), 2 the seesaw (TMA copies only).
+template <class T, int kForm>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
-  for_each_decode_work<kRows, kKeys>(
-      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
+  for_each_decode_work<kRows, kKeys>(a, [&](const DecodeWork& w) {
+    if constexpr (kForm == 2)
+      sm90_piece_seesaw<T>(a, w, flags, kmap);
+    else
+      sm90_piece<T, kForm == 1>(a, w, flags, kmap);
+  });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------
@@ -657,7 +1081,7 @@ bool sm90_kernel_runs_on(int device) {
     bool runs = major == 9;
     if (runs) {
       cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16, false>));
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16, 0>));
       runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
     }
     known = runs ? 2 : 1;
@@ -684,6 +1108,8 @@ DecodeSm90Options& current_options() {
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
+    o.seesaw = env_switch("KMLA_DECODE_SM90_SEESAW", o.seesaw);
+    o.seesaw_late_b = env_switch("KMLA_DECODE_SM90_SEESAW_LATE_B", o.seesaw_late_b);
     return o;
   }();
   return opt;
@@ -769,17 +1195,22 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
 
 void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
-    auto* kernel = current_options().wide_s ? decode_sm90_kernel<T, true>
-                                            : decode_sm90_kernel<T, false>;
+    const DecodeSm90Options& o = current_options();
+    CUtensorMap kmap{};
+    const int group = tma_keys_for(a, act, kmap);
+    // The seesaw needs the bulk copies; the profile modes time the two-stage forms.
+    auto* kernel = o.seesaw && group > 0 && profile_mode() == 0 ? decode_sm90_kernel<T, 2>
+                   : o.wide_s                                   ? decode_sm90_kernel<T, 1>
+                                                                : decode_sm90_kernel<T, 0>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    const DecodeSm90Options& o = current_options();
-    CUtensorMap kmap{};
-    const int group = tma_keys_for(a, act, kmap);
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
+        a,
+        KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue,
+                    o.seesaw_late_b},
+        kmap);
     KMLA_LAUNCH_CHECK();
   });
 }

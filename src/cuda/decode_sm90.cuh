@@ -38,6 +38,18 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA, issue tile t + 1 right after the tile
 //                                      barrier, before waiting for tile t: two tiles in
 //                                      flight (default 1; alone +-1 %, with the above 1-2 %)
+//   KMLA_DECODE_SM90_SEESAW=0|1        the seesaw form (docs/decode_sm90.md): two key tiles
+//                                      per step, each warpgroup computing S of one and
+//                                      half of O, a softmax under MMAs, per-panel copy
+//                                      barriers; needs the TMA copies (the other forms run
+//                                      where there are none). Default 0: its first form
+//                                      measured 10-16 % slower than the wide S on every
+//                                      H200 case (2026-12-05); the reordered form here is
+//                                      not measured yet
+//   KMLA_DECODE_SM90_SEESAW_LATE_B=0|1 with the seesaw, warpgroup 1 computes S of tile B
+//                                      at the start of its step instead of the end of the
+//                                      step before, giving stage 1's copies longer to land
+//                                      (default 0; not measured yet)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -45,6 +57,8 @@ struct DecodeSm90Options {
   bool wide_s = true;
   bool issue_wg1 = true;
   bool early_issue = true;
+  bool seesaw = false;
+  bool seesaw_late_b = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

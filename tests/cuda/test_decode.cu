@@ -1393,6 +1393,7 @@ void run_copy_issue_variants(const DecodeCase& c, const std::vector<PlanTweak>& 
     DecodeSm90Options opt = saved;
     opt.tma = true;
     opt.wide_s = true;
+    opt.seesaw = false;  // the copy issue of the two-stage wide S
     opt.issue_wg1 = variant == 1;
     opt.early_issue = variant == 2;
     decode_sm90_set_options(opt);

@@ -39,13 +39,18 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     const char* name;
     DecodeSm90Options opt;
   };
-  // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async).
-  std::vector<Variant> variants = {{"tma, wide S", {true, true, true}}};
+  // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async, where
+  // the seesaw gives way to the wide S).
+  std::vector<Variant> variants = {{"tma, wide S", {}}};
   if (expect_sm90()) {
-    variants.push_back({"cp.async", {true, false, false}});
-    variants.push_back({"tma, no rescale skip", {false, true, false}});
-    variants.push_back({"tma, narrow S", {true, true, false}});
-    variants.push_back({"cp.async, wide S, no rescale skip", {false, false, true}});
+    variants.push_back({"tma, seesaw", {.seesaw = true}});
+    variants.push_back({"tma, seesaw, late S of B, no rescale skip",
+                        {.skip_rescale = false, .seesaw = true, .seesaw_late_b = true}});
+    variants.push_back(
+        {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
+    variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
+    variants.push_back(
+        {"cp.async, wide S, no rescale skip", {.skip_rescale = false, .tma = false}});
   }
   for (const Variant& v : variants) {
     decode_sm90_set_options(v.opt);
