@@ -30,4 +30,23 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+bool sm90a_kernel_runs_on(int device, const void* kernel,
+                          std::atomic<int> (&answers)[kMaxSm90Devices]) {
+  if (device < 0 || device >= kMaxSm90Devices) return false;
+  int known = answers[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0;
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    bool runs = major == 9;
+    if (runs) {
+      cudaFuncAttributes attr{};
+      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+      runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+    }
+    known = runs ? 2 : 1;
+    answers[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
+}
+
 }  // namespace kmla::cuda

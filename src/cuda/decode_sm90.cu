@@ -1067,27 +1067,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// Whether the wgmma kernel can run on `device`: an sm_90 GPU, and this binary holds sm_90a
-// code for it (a build without compute_90a would JIT the sm_80 body, which traps). Asked once
-// per device (attribute queries only: no sync).
+// Whether the wgmma kernel can run on `device` (sm90a_kernel_runs_on, asked once per device).
 bool sm90_kernel_runs_on(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> answer[kMaxDevices] = {};  // 0: not asked yet, 1: no, 2: yes
-  if (device < 0 || device >= kMaxDevices) return false;
-  int known = answer[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0;
-    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    bool runs = major == 9;
-    if (runs) {
-      cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_sm90_kernel<bf16, 0>));
-      runs = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
-    }
-    known = runs ? 2 : 1;
-    answer[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 2;
+  static std::atomic<int> answers[kMaxSm90Devices] = {};
+  return sm90a_kernel_runs_on(device, reinterpret_cast<const void*>(decode_sm90_kernel<bf16, 0>),
+                              answers);
 }
 
 // A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.

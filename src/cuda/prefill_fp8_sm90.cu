@@ -823,25 +823,11 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 #endif
 }
 
-// Whether `device` runs the kernel: compute capability 9.x and sm_90a code in this binary.
+// Whether `device` runs the kernel (sm90a_kernel_runs_on, asked once per device).
 bool fp8_kernel_runs_on(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= kMaxDevices) return false;
-  int v = known[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0;
-    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    bool ok = major == 9;
-    if (ok) {
-      cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_fp8_sm90_kernel<bf16, 2, false>));
-      ok = attr.binaryVersion >= 90;
-    }
-    v = ok ? 2 : 1;
-    known[device].store(v, std::memory_order_relaxed);
-  }
-  return v == 2;
+  static std::atomic<int> answers[kMaxSm90Devices] = {};
+  return sm90a_kernel_runs_on(
+      device, reinterpret_cast<const void*>(prefill_fp8_sm90_kernel<bf16, 2, false>), answers);
 }
 
 // [rows][heads][width] bytes of `o` starting `col` bytes into each row, a box of width x 1 x

@@ -781,27 +781,11 @@ __global__ void __launch_bounds__(128)
 
 namespace {
 
-// Whether the wgmma kernel runs on `device`: an sm_90 GPU, and this binary holds sm_90a code
-// for it (a build whose KMLA_CUDA_GENCODE lacks compute_90a would run the empty sm_80 body).
-// Asked once per device (attribute queries: no sync, cheap enough for every launch).
+// Whether the wgmma kernel runs on `device` (sm90a_kernel_runs_on, asked once per device).
 bool sm90_kernel_runs_on(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> answer[kMaxDevices] = {};  // 0: not asked yet, 1: no, 2: yes
-  if (device < 0 || device >= kMaxDevices) return false;
-  int a = answer[device].load(std::memory_order_relaxed);
-  if (a == 0) {
-    int major = 0;
-    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    bool runs = major == 9;
-    if (runs) {
-      cudaFuncAttributes attr{};
-      KMLA_CUDA_CHECK(cudaFuncGetAttributes(&attr, prefill_attention_sm90_kernel<bf16, 2>));
-      runs = attr.binaryVersion >= 90;
-    }
-    a = runs ? 2 : 1;
-    answer[device].store(a, std::memory_order_relaxed);
-  }
-  return a == 2;
+  static std::atomic<int> answers[kMaxSm90Devices] = {};
+  return sm90a_kernel_runs_on(
+      device, reinterpret_cast<const void*>(prefill_attention_sm90_kernel<bf16, 2>), answers);
 }
 
 // The TMA view of one operand: [rows][heads][width] with the operand's strides, a box of one

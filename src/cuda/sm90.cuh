@@ -12,11 +12,12 @@
 // hardware's 128-byte swizzle, whose pattern repeats every 8 rows (1024 bytes).
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
-
 #include <cuda.h>
 #include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 
@@ -31,6 +32,16 @@ namespace kmla::cuda {
 // cuTensorMapEncodeTiled from the driver, looked up once through the runtime (no libcuda link);
 // null if the driver lacks it. Host code, defined in common.cu for every TMA user.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
+
+// Whether `kernel` (a __global__ function of this binary) runs its sm_90a code on `device`:
+// an sm_90 GPU, and the binary holds code compiled for compute_90a (SASS 9.x from PTX 9.x:
+// a build without compute_90a would run, or JIT from older PTX, the kernel's sm_80 body,
+// which is empty or traps). Attribute queries only, no sync; the answer per device is kept
+// in `answers` (0: not asked yet, 1: no, 2: yes), one array per kernel family. Host code,
+// in common.cu.
+inline constexpr int kMaxSm90Devices = 64;
+bool sm90a_kernel_runs_on(int device, const void* kernel,
+                          std::atomic<int> (&answers)[kMaxSm90Devices]);
 
 }  // namespace kmla::cuda
 
