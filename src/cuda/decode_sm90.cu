@@ -153,6 +153,17 @@ __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint3
   wgmma_commit();
 }
 
+// The piece's number of 64-key tiles; an empty piece of a cut pair instead writes its LSE of
+// -inf (the combine then never reads its partial) and gets -1, and the caller returns.
+__device__ __forceinline__ int piece_tiles(const DecodeArgs& a, const DecodeWork& work) {
+  const int ntiles = work.key1 > work.key0 ? (work.key1 - work.key0 + kKeys - 1) / kKeys : 0;
+  if (ntiles > 0 || work.direct) return ntiles;
+  const int tid = threadIdx.x;
+  if (tid < kRows && work.row0 + tid < work.nrows)
+    a.ws_lse[work.part + int64_t(tid) * work.part_stride] = kNegInf;
+  return -1;
+}
+
 // Copies the piece's 64 query rows into the Q tile at q_s by cp.async (rows past the request
 // zero-filled; not committed) and returns the output row of local row 0.
 __device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork& work,
@@ -341,14 +352,9 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     return decode_row_keys(a, qlen, seq, nrows, row);
   };
   const int key0 = work.key0, key1 = work.key1;
-  const int ntiles = key1 > key0 ? (key1 - key0 + kKeys - 1) / kKeys : 0;
+  const int ntiles = piece_tiles(a, work);
+  if (ntiles < 0) return;
   const int tid = threadIdx.x;
-  if (ntiles == 0 && !work.direct) {
-    // An empty piece: the combine needs its LSE of -inf and then never reads its partial.
-    if (tid < kRows && row0 + tid < nrows)
-      a.ws_lse[work.part + int64_t(tid) * work.part_stride] = kNegInf;
-    return;
-  }
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
@@ -683,13 +689,9 @@ __device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const Dec
   const int r = work.r, row0 = work.row0;
   const int qlen = work.qlen, seq = work.seq, nrows = work.nrows;
   const int key0 = work.key0, key1 = work.key1;
-  const int ntiles = key1 > key0 ? (key1 - key0 + kKeys - 1) / kKeys : 0;
+  const int ntiles = piece_tiles(a, work);
+  if (ntiles < 0) return;
   const int tid = threadIdx.x;
-  if (ntiles == 0 && !work.direct) {
-    if (tid < kRows && row0 + tid < nrows)
-      a.ws_lse[work.part + int64_t(tid) * work.part_stride] = kNegInf;
-    return;
-  }
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
