@@ -178,15 +178,30 @@ __device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork&
   return out_row0;
 }
 
-// Normalises this thread's two rows (row_lo and row_lo + 8 of the tile) of the O half of
-// warpgroup wg and writes them to the output, or to the piece's fp32 partial; warpgroup 0
-// also writes the LSE. m: the rows' final running maxima (log2 domain, scores scaled), l:
-// their complete row sums. No visible key <=> l = 0 (the row's max key adds 2^0 = 1).
+// The end of a piece: adds this thread's row sums l_lo, l_hi (rows row_lo and row_lo + 8 of
+// the tile, this thread's columns) over the quad and, through red_sum ([2][64]) and a
+// __syncthreads, over both warpgroups; then normalises the thread's two rows of the O half
+// of warpgroup wg and writes them to the output, or to the piece's fp32 partial; warpgroup 0
+// also writes the LSE. m: the rows' final running maxima (log2 domain, scores scaled). No
+// visible key <=> l = 0 (the row's max key adds 2^0 = 1).
 template <class T>
-__device__ __forceinline__ void write_rows(const DecodeArgs& a, const DecodeWork& work,
-                                           int64_t out_row0, const float (&o)[128], int wg,
-                                           int row_lo, int t, const float (&m)[2],
-                                           const float (&l)[2]) {
+__device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWork& work,
+                                            int64_t out_row0, const float (&o)[128], int wg,
+                                            int row_lo, int t, const float (&m)[2], float l_lo,
+                                            float l_hi, float* red_sum) {
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
+  }
+  const int row_hi = row_lo + 8;
+  if (t == 0) {
+    red_sum[wg * kRows + row_lo] = l_lo;
+    red_sum[wg * kRows + row_hi] = l_hi;
+  }
+  __syncthreads();
+  const float l[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
+                      red_sum[row_hi] + red_sum[kRows + row_hi]};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_lo + 8 * h;
@@ -614,24 +629,12 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   cp_async_wait_all();
 
   // ---- finish: row sums of both warpgroups, normalise, write ----
-#pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
-  }
-  if (t == 0) {
-    red_sum[wg * kRows + row_lo] = l_lo;
-    red_sum[wg * kRows + row_hi] = l_hi;
-  }
-  __syncthreads();  // (also: every wait on full_bar of this piece is behind all threads)
-  if (tma && tid == 0) {
+  // With the wide S only warpgroup 0 tracks m; finish_rows takes the LSE from it alone.
+  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_lo, l_hi, red_sum);
+  if (tma && tid == 0) {  // every wait on full_bar of this piece is behind the barrier above
     mbar_inval(&full_bar[0]);
     mbar_inval(&full_bar[1]);
   }
-  // With the wide S only warpgroup 0 tracks m; write_rows takes the LSE from it alone.
-  const float l_sum[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
-                          red_sum[row_hi] + red_sum[kRows + row_hi]};
-  write_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_sum);
 #else
   (void)a, (void)work, (void)flags, (void)kmap;
   __trap();  // never launched without sm_90a code (decode_sm90_supports checks the binary)
@@ -967,22 +970,10 @@ __device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const Dec
   }
 
   // ---- finish: both warpgroups' row sums, normalise, write ----
-  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before the barrier below
-#pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, x);
-  }
-  if (t == 0) {
-    red_sum[wg * kRows + row_lo] = l_lo;
-    red_sum[wg * kRows + row_hi] = l_hi;
-  }
-  __syncthreads();  // (also: every wait on the mbarriers of this piece is behind all threads)
-  if (tid == 0)
+  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before finish_rows' barrier
+  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_lo, l_hi, red_sum);
+  if (tid == 0)  // every wait on the mbarriers of this piece is behind finish_rows' barrier
     for (int i = 0; i < 2 * kPanels; ++i) mbar_inval(&bars[i]);
-  const float l_sum[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
-                          red_sum[row_hi] + red_sum[kRows + row_hi]};
-  write_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_sum);
 #else
   (void)a, (void)work, (void)flags, (void)kmap;
   __trap();
