@@ -147,6 +147,15 @@ class Layer {
   void run(const Plan& plan, const TensorView& positions, const TensorView& hidden,
            LatentCache& cache, const TensorView& out, void* workspace, Stream stream) const;
 
+  // run() that also tunes the GEMMs: each projection shape not tuned yet on this device
+  // (layers of one device share the tuning) has cuBLASLt's candidate algorithms timed from a
+  // cold L2 and the fastest kept for every later run and capture (cuda::Blas::set_tuning).
+  // Call it once per batch shape before capturing or timing; it synchronizes the device,
+  // allocates a buffer of twice the L2 for the duration, and refuses a capturing stream. Its
+  // outputs are those of run(). KMLA_GEMM_TUNE=0 makes it a plain run() (A/B timings).
+  void tune(const Plan& plan, const TensorView& positions, const TensorView& hidden,
+            LatentCache& cache, const TensorView& out, void* workspace, Stream stream) const;
+
   // plan + upload + run with a workspace the layer owns and grows (so not for capture).
   // md == nullptr is a memory-profiling run: out is zeroed.
   void forward(const TensorView& positions, const TensorView& hidden, const BatchMetadata* md,

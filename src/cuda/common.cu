@@ -30,6 +30,15 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; clear it
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
 bool sm90a_kernel_runs_on(int device, const void* kernel,
                           std::atomic<int> (&answers)[kMaxSm90Devices]) {
   if (device < 0 || device >= kMaxSm90Devices) return false;

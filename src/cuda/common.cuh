@@ -154,6 +154,11 @@ struct CacheRef {
 
 CacheRef cache_ref(const LatentCache& cache);
 
+// Whether `stream` is capturing a graph, or cannot tell (the legacy stream while another stream
+// captures in global mode answers with an error, which is cleared): work that must not be
+// captured (timing, synchronization) checks this first.
+bool stream_capturing(cudaStream_t stream);
+
 // A batch's request metadata in device memory, in the layout order of BatchMetadata.
 // Arrays are sized for a captured capacity; request slots past the real ones have
 // query_len 0 and seq_len 0, rows past the real ones have slot -1.

@@ -8,6 +8,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "cuda/gemm.cuh"
 
@@ -117,6 +119,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
   bool matmul_logged = false;
+  bool tuned = false;  // Blas tuning has timed this plan's candidates (16-bit kinds only)
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -343,18 +346,64 @@ uint32_t reduction_scheme(const cublasLtMatmulAlgo_t& algo) {
 //   plain     workspace only, as NVIDIA's sample and PyTorch query (diagnostic, never used:
 //             it assumes 256-byte aligned operands).
 enum class Prefs { strict, aligned, plain };
+constexpr int kMaxHeuristicResults = 16;
 const char* prefs_name(Prefs p) {
   return p == Prefs::strict    ? "workspace+align+fp32-reduction"
          : p == Prefs::aligned ? "workspace+align"
                                : "workspace-only";
 }
 
+// A cuBLASLt algorithm in a named type: nvcc 13.0's front end fails (internal error) on
+// std::vector of the unnamed struct behind cublasLtMatmulAlgo_t.
+struct LtAlgo {
+  cublasLtMatmulAlgo_t algo;
+};
+
 struct QueryResult {
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  int found = 0;    // results returned
-  int usable = -1;  // index of the first usable result, -1 if none
-  cublasLtMatmulAlgo_t algo{};
+  int found = 0;              // results returned
+  std::vector<LtAlgo> algos;  // the usable ones, fastest (estimated) first
 };
+
+// The split-K count and reduction scheme of an algorithm configuration (1 and NONE when it has
+// no split-K, or the attribute cannot be read).
+int32_t splitk_of(const cublasLtMatmulAlgo_t& algo) {
+  int32_t splits = 1;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                           sizeof splits, &written) != CUBLAS_STATUS_SUCCESS)
+    return 1;
+  return splits;
+}
+
+// "algo 21 tile 18 stages 8 split 1", for the tuning log.
+std::string algo_label(const cublasLtMatmulAlgo_t& algo) {
+  int32_t id = -1;
+  uint32_t tile = 0, stages = 0;
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile,
+                                       &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
+                                       sizeof stages, &written);
+  return "algo " + std::to_string(id) + " tile " + std::to_string(tile) + " stages " +
+         std::to_string(stages) + " split " + std::to_string(splitk_of(algo));
+}
+
+bool same_algo(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+  return std::memcmp(&x, &y, sizeof x) == 0;
+}
+
+// Reads 16 bytes per thread of a buffer twice the L2's size, so the next kernel starts from a
+// cold L2 (GEMM tuning: in a decode step the weights come from DRAM). The sink store never
+// happens but keeps the loads alive.
+__global__ void l2_flush_kernel(const int4* __restrict__ p, size_t n, int* sink) {
+  int acc = 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    acc ^= p[i].x;
+  if (acc == 0x5eed1e55) *sink = acc;
+}
 
 }  // namespace
 
@@ -363,8 +412,13 @@ struct Blas::Impl {
   void* workspace = nullptr;
   int cc_major = 0, cc_minor = 0;
   bool force_fp8_fallback = false;
-  bool verbose = false;  // KMLA_GEMM_VERBOSE=1
-  std::mutex mutex;      // guards plans, logged and the fp8 descriptors' scale pointers
+  bool verbose = false;      // KMLA_GEMM_VERBOSE=1
+  bool tune_allowed = true;  // KMLA_GEMM_TUNE=0 makes set_tuning a no-op (A/B timings)
+  int tuning = 0;            // set_tuning(true) calls not yet matched by a (false)
+  void* flush = nullptr;     // tuning's L2 flush buffer (2x the L2), while tuning
+  size_t flush_bytes = 0;
+  int* flush_sink = nullptr;
+  std::mutex mutex;  // guards plans, logged, tuning and the fp8 descriptors' scale pointers
   std::map<GemmKey, std::unique_ptr<Plan>> plans;
   std::set<std::string> logged;  // verbose lines already printed (each is printed once)
 
@@ -380,20 +434,32 @@ struct Blas::Impl {
       std::fprintf(stderr, "kmla gemm: %s\n", line.c_str());
   }
 
-  // One cuBLASLt heuristic query (up to 8 results, fastest first) for plan `p` of `key`.
-  QueryResult query(const Plan& p, const GemmKey& key, Prefs prefs) const;
+  // One cuBLASLt heuristic query (up to max_results <= kMaxHeuristicResults results, fastest
+  // first) for plan `p` of `key`.
+  QueryResult query(const Plan& p, const GemmKey& key, Prefs prefs, int max_results = 8) const;
 
   // The plan for `key`, created (descriptors + heuristic queries) on first use. Caller holds
   // the mutex.
   Plan& plan(const GemmKey& key);
 
+  // What tuning times for plan `p` of a 16-bit key: the heuristic's choice first, then its
+  // other usable results and split-K forms (fp32 reduction) of the first few unsplit ones.
+  std::vector<LtAlgo> candidates(const Plan& p, const GemmKey& key) const;
+
+  // Times the candidates for `key` on `stream` with its real operands, each from a cold L2,
+  // and keeps the fastest in p.algo. Synchronizes `stream`. Caller holds the mutex.
+  void tune(const GemmKey& key, Plan& p, const void* a, const void* b, void* d,
+            cudaStream_t stream);
+
   // D = A . B through the plan for a 16-bit key (linear, batched_nn): alpha 1, beta 0, C = D.
-  // Takes the mutex; logs the first matmul's status (verbose) and throws on a failure.
+  // Takes the mutex; tunes the plan first when tuning is on, it is not tuned yet and `stream`
+  // is not capturing; logs the first matmul's status (verbose) and throws on a failure.
   void matmul(const GemmKey& key, const void* a, const void* b, void* d, cudaStream_t stream) {
     const float alpha = 1.0f, beta = 0.0f;
     std::lock_guard<std::mutex> lock(mutex);
     Plan& p = plan(key);
     KMLA_CHECK(p.has_algo, "cuBLASLt has no algorithm for ", describe(key));
+    if (tuning > 0 && !p.tuned && !stream_capturing(stream)) tune(key, p, a, b, d, stream);
     const cublasStatus_t st = cublasLtMatmul(handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.c,
                                              d, p.c, &p.algo, workspace, kWorkspaceBytes, stream);
     if (!p.matmul_logged) log_once(describe(key) + ": cublasLtMatmul " + cublasLtGetStatusName(st));
@@ -451,7 +517,8 @@ struct Blas::Impl {
   }
 };
 
-QueryResult Blas::Impl::query(const Plan& p, const GemmKey& key, Prefs prefs) const {
+QueryResult Blas::Impl::query(const Plan& p, const GemmKey& key, Prefs prefs,
+                              int max_results) const {
   QueryResult r;
   cublasLtMatmulPreference_t pref = nullptr;
   r.status = cublasLtMatmulPreferenceCreate(&pref);
@@ -475,25 +542,132 @@ QueryResult Blas::Impl::query(const Plan& p, const GemmKey& key, Prefs prefs) co
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c);
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c);
   }
-  constexpr int kMaxResults = 8;
-  cublasLtMatmulHeuristicResult_t results[kMaxResults] = {};
+  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicResults] = {};
   if (r.status == CUBLAS_STATUS_SUCCESS)
-    r.status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, kMaxResults,
-                                              results, &r.found);
+    r.status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref,
+                                              std::min(max_results, kMaxHeuristicResults), results,
+                                              &r.found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (r.status != CUBLAS_STATUS_SUCCESS) return r;
-  // Results come sorted by estimated time: take the first that is valid and, without the mask,
+  // Results come sorted by estimated time: keep those that are valid and, without the mask,
   // whose split-K reduction stays in fp32.
-  for (int i = 0; i < r.found && r.usable < 0; ++i) {
+  for (int i = 0; i < r.found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
     const uint32_t scheme = reduction_scheme(results[i].algo);
     if (scheme != CUBLASLT_REDUCTION_SCHEME_NONE &&
         scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
       continue;
-    r.usable = i;
-    r.algo = results[i].algo;
+    r.algos.push_back({results[i].algo});
   }
   return r;
+}
+
+std::vector<LtAlgo> Blas::Impl::candidates(const Plan& p, const GemmKey& key) const {
+  constexpr int kSplitBases = 4;  // unsplit results that also get split-K forms
+  constexpr int32_t kSplits[] = {2, 3, 4, 6, 8, 12, 16};
+  constexpr int64_t kMinSplitDepth = 128;  // no split shallower than this many K per part
+  std::vector<LtAlgo> out{{p.algo}};
+  auto add = [&](const cublasLtMatmulAlgo_t& algo) {
+    for (const LtAlgo& have : out)
+      if (same_algo(have.algo, algo)) return;
+    out.push_back({algo});
+  };
+  const QueryResult r = query(p, key, Prefs::strict, kMaxHeuristicResults);
+  for (const LtAlgo& result : r.algos) add(result.algo);
+  int bases = 0;
+  for (const LtAlgo& result : r.algos) {
+    const cublasLtMatmulAlgo_t& base = result.algo;
+    if (bases == kSplitBases) break;
+    int32_t can_split = 0;
+    size_t written = 0;
+    if (splitk_of(base) != 1 ||
+        cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &can_split,
+                                          sizeof can_split, &written) != CUBLAS_STATUS_SUCCESS ||
+        can_split == 0)
+      continue;
+    ++bases;
+    for (const int32_t splits : kSplits) {
+      if (key.k / splits < kMinSplitDepth) break;
+      cublasLtMatmulAlgo_t algo = base;
+      const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                               sizeof splits) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                               &scheme, sizeof scheme) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.c, p.c, &algo, &check) ==
+              CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kWorkspaceBytes)
+        add(algo);
+    }
+  }
+  return out;
+}
+
+void Blas::Impl::tune(const GemmKey& key, Plan& p, const void* a, const void* b, void* d,
+                      cudaStream_t stream) {
+  p.tuned = true;  // one attempt per plan, whatever happens below
+  const std::vector<LtAlgo> algos = candidates(p, key);
+  if (algos.size() < 2) return;
+  if (flush == nullptr) {
+    int device = 0, l2 = 0;
+    KMLA_CUDA_CHECK(cudaGetDevice(&device));
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+    flush_bytes = std::max<size_t>(size_t(2) * size_t(l2), size_t(16) << 20);
+    KMLA_CUDA_CHECK(cudaMalloc(&flush, flush_bytes + sizeof(int)));
+    KMLA_CUDA_CHECK(cudaMemsetAsync(flush, 0, flush_bytes + sizeof(int), stream));
+    flush_sink = reinterpret_cast<int*>(static_cast<std::byte*>(flush) + flush_bytes);
+  }
+  struct Event {
+    cudaEvent_t e = nullptr;
+    Event() { KMLA_CUDA_CHECK(cudaEventCreate(&e)); }
+    ~Event() { cudaEventDestroy(e); }
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+  } start_event, stop_event;
+  const cudaEvent_t start = start_event.e, stop = stop_event.e;
+  // Median of kRuns after one warm-up; a run that cuBLASLt refuses drops the candidate
+  // (nothing was enqueued for it).
+  constexpr int kRuns = 3;
+  const float alpha = 1.0f, beta = 0.0f;
+  auto time_us = [&](const cublasLtMatmulAlgo_t& algo) {
+    float runs[kRuns] = {};
+    for (int i = -1; i < kRuns; ++i) {
+      l2_flush_kernel<<<1024, 256, 0, stream>>>(static_cast<const int4*>(flush),
+                                                flush_bytes / sizeof(int4), flush_sink);
+      KMLA_LAUNCH_CHECK();
+      KMLA_CUDA_CHECK(cudaEventRecord(start, stream));
+      const cublasStatus_t st =
+          cublasLtMatmul(handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.c, d, p.c, &algo,
+                         workspace, kWorkspaceBytes, stream);
+      KMLA_CUDA_CHECK(cudaEventRecord(stop, stream));
+      KMLA_CUDA_CHECK(cudaEventSynchronize(stop));
+      if (st != CUBLAS_STATUS_SUCCESS) return -1.0f;
+      if (i >= 0) KMLA_CUDA_CHECK(cudaEventElapsedTime(&runs[i], start, stop));
+    }
+    std::sort(runs, runs + kRuns);
+    return runs[kRuns / 2] * 1e3f;
+  };
+  const float heuristic_us = time_us(algos.front().algo);
+  float best_us = heuristic_us;
+  size_t best = 0;
+  for (size_t i = 1; i < algos.size(); ++i) {
+    const float us = time_us(algos[i].algo);
+    if (us > 0.0f && (best_us <= 0.0f || us < best_us)) {
+      best_us = us;
+      best = i;
+    }
+  }
+  // Keep the heuristic's choice unless another is clearly faster: 3 % is above the run-to-run
+  // noise of a median of three cold-L2 runs, so a tie does not flip between processes.
+  constexpr float kMargin = 0.97f;
+  const bool take = best != 0 && (heuristic_us <= 0.0f || best_us < kMargin * heuristic_us);
+  if (take) p.algo = algos[best].algo;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, ": tuned over %zu candidates: heuristic %.1f us, best %.1f us",
+                algos.size(), double(heuristic_us), double(best_us));
+  log_once(describe(key) + buf + " (" + algo_label(algos[best].algo) + ")" +
+           (take ? " -> taken" : " -> heuristic kept"));
 }
 
 Plan& Blas::Impl::plan(const GemmKey& key) {
@@ -542,7 +716,7 @@ Plan& Blas::Impl::plan(const GemmKey& key) {
   std::string line = describe(key) + ": heuristic";
   auto note = [&](Prefs prefs, const QueryResult& r) {
     line += std::string(" [") + prefs_name(prefs) + "] " + cublasLtGetStatusName(r.status) + ", " +
-            std::to_string(r.found) + " algos" + (r.usable >= 0 ? " (usable)" : "") + ";";
+            std::to_string(r.found) + " algos" + (r.algos.empty() ? "" : " (usable)") + ";";
   };
   QueryResult r = query(*p, key, Prefs::strict);
   note(Prefs::strict, r);
@@ -550,16 +724,16 @@ Plan& Blas::Impl::plan(const GemmKey& key) {
     // The 16-bit products must run: a failing query is an error, not a fallback.
     if (r.status != CUBLAS_STATUS_SUCCESS) log_once(line);
     KMLA_CUBLASLT_CHECK(r.status);
-  } else if (r.usable < 0) {
+  } else if (r.algos.empty()) {
     // An unsupported fp8 configuration may report NOT_SUPPORTED rather than zero results;
     // retry without the reduction mask (results filtered afterwards), then, for the log only,
     // as plainly as NVIDIA's sample asks.
     r = query(*p, key, Prefs::aligned);
     note(Prefs::aligned, r);
-    if (r.usable < 0 && verbose) note(Prefs::plain, query(*p, key, Prefs::plain));
+    if (r.algos.empty() && verbose) note(Prefs::plain, query(*p, key, Prefs::plain));
   }
-  p->has_algo = r.status == CUBLAS_STATUS_SUCCESS && r.usable >= 0;
-  if (p->has_algo) p->algo = r.algo;
+  p->has_algo = r.status == CUBLAS_STATUS_SUCCESS && !r.algos.empty();
+  if (p->has_algo) p->algo = r.algos.front().algo;
   if (key.kind == GemmKind::fp8_block) line += p->has_algo ? " -> cuBLASLt" : " -> fallback kernel";
   log_once(line);
   return *plans.emplace(key, std::move(p)).first->second;
@@ -567,6 +741,7 @@ Plan& Blas::Impl::plan(const GemmKey& key) {
 
 Blas::Impl::~Impl() {
   plans.clear();
+  if (flush) cudaFree(flush);
   if (workspace) cudaFree(workspace);
   if (handle) cublasLtDestroy(handle);
 }
@@ -587,6 +762,8 @@ Blas::Blas() {
   impl->force_fp8_fallback = env != nullptr && std::strcmp(env, "1") == 0;
   env = std::getenv("KMLA_GEMM_VERBOSE");
   impl->verbose = env != nullptr && std::strcmp(env, "1") == 0;
+  env = std::getenv("KMLA_GEMM_TUNE");
+  impl->tune_allowed = env == nullptr || std::strcmp(env, "0") != 0;
   impl->log_once("cuBLASLt " + std::to_string(cublasLtGetVersion()) + " (headers " +
                  std::to_string(CUBLAS_VERSION) + "), device sm_" + std::to_string(impl->cc_major) +
                  std::to_string(impl->cc_minor));
@@ -598,6 +775,27 @@ Blas::~Blas() { delete impl_; }
 void Blas::set_fp8_fallback(bool force) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->force_fp8_fallback = force;
+}
+
+void Blas::set_tuning(bool on) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!impl_->tune_allowed) return;
+  KMLA_CHECK(on || impl_->tuning > 0, "Blas::set_tuning(false) without a set_tuning(true)");
+  impl_->tuning += on ? 1 : -1;
+  if (impl_->tuning == 0 && impl_->flush != nullptr) {
+    // Not a throw: scope guards call this from destructors. A failed free leaves the sticky
+    // error for the caller's next CUDA call to report.
+    (void)cudaFree(impl_->flush);
+    impl_->flush = nullptr;
+    impl_->flush_sink = nullptr;
+  }
+}
+
+int Blas::tuned_shapes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  int n = 0;
+  for (const auto& entry : impl_->plans) n += entry.second->tuned ? 1 : 0;
+  return n;
 }
 
 void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* W,

@@ -879,6 +879,24 @@ void Layer::run(const Plan& plan, const TensorView& positions, const TensorView&
   impl_->run(plan, positions, hidden, cache, out, workspace, stream);
 }
 
+void Layer::tune(const Plan& plan, const TensorView& positions, const TensorView& hidden,
+                 LatentCache& cache, const TensorView& out, void* workspace, Stream stream) const {
+  KMLA_CHECK(
+      !stream_capturing(raw(stream)),
+      "Layer::tune: the stream is capturing a graph; tune with an eager call before the capture");
+  BlasPair& blas = blas_for_current_device();
+  // Both handles tune while the run is in flight; set_tuning(false) frees the flush buffer,
+  // which waits for the device.
+  struct Tuning {
+    Blas& b;
+    explicit Tuning(Blas& blas) : b(blas) { b.set_tuning(true); }
+    ~Tuning() { b.set_tuning(false); }
+    Tuning(const Tuning&) = delete;
+    Tuning& operator=(const Tuning&) = delete;
+  } main_on(blas.main), aux_on(blas.aux);
+  impl_->run(plan, positions, hidden, cache, out, workspace, stream);
+}
+
 void Layer::forward(const TensorView& positions, const TensorView& hidden, const BatchMetadata* md,
                     LatentCache& cache, const TensorView& out, Stream stream) {
   const DType act = impl_->options.activation;

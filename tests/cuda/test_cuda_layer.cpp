@@ -107,7 +107,9 @@ struct DeviceInputs {
 // lengths, fewer requests, more padding rows). Replays equal an eager run of the same plan
 // bit for bit, and both pass the oracle rule. With 16-bit weights g_proj is part of the front
 // GEMM and the gate zeroes the padding rows; with fp8 weights it runs on the aux stream.
-void decode_step_replays_other_batches(bool fp8_weights) {
+// tuned: Layer::tune runs batch A eagerly first (after refusing a capturing stream), so the
+// graph and the eager runs use the tuned GEMMs.
+void decode_step_replays_other_batches(bool fp8_weights, bool tuned = false) {
   Case c = verify::mixed_case("kimi-k3", CacheFormat::bf16, 16, 41, 3);
   c.fp8_weights = fp8_weights;
   c.requests = {{1, 37}, {1, 16}, {1, 129}, {1, 1}, {1, 64}, {1, 250}};
@@ -165,6 +167,16 @@ void decode_step_replays_other_batches(bool fp8_weights) {
   cudaGraphExec_t exec = nullptr;
   layer.upload(plan_a, ws.data(), st);
   CUDA_OK(cudaStreamSynchronize(s));
+  if (tuned) {
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    EXPECT_THROW(layer.tune(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st), Error);
+    cudaGraph_t none = nullptr;
+    CUDA_OK(cudaStreamEndCapture(s, &none));
+    if (none) CUDA_OK(cudaGraphDestroy(none));
+    reset_cache();
+    layer.tune(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st);
+    CUDA_OK(cudaStreamSynchronize(s));
+  }
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   layer.run(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st);
   CUDA_OK(cudaStreamEndCapture(s, &graph));
@@ -214,6 +226,11 @@ TEST(CudaGraph, DecodeStepReplaysOtherBatches) {
 TEST(CudaGraph, DecodeStepReplaysOtherBatchesFp8Weights) {
   REQUIRE_GPU();
   decode_step_replays_other_batches(true);
+}
+
+TEST(CudaGraph, DecodeStepReplaysOtherBatchesTuned) {
+  REQUIRE_GPU();
+  decode_step_replays_other_batches(false, true);
 }
 
 // ---- bad input ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -80,17 +81,35 @@ void expect_close(const std::vector<uint16_t>& C, int64_t M, int64_t N, int64_t 
 // ---- linear ------------------------------------------------------------------------------
 
 // C = A . W^T with A at row stride lda starting `a_offset` elements into its buffer (an odd
-// offset makes A only 2-byte aligned).
+// offset makes A only 2-byte aligned). in_graph: the call is captured on a stream of its own
+// (thread-local mode) and the graph replayed once.
 void check_linear(Blas& blas, DType act, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc,
-                  int64_t a_offset, uint32_t seed) {
+                  int64_t a_offset, uint32_t seed, bool in_graph = false) {
   SCOPED_TRACE(testing::Message() << dtype_name(act) << " M=" << M << " N=" << N << " K=" << K
-                                  << " lda=" << lda << " ldc=" << ldc << " a_offset=" << a_offset);
+                                  << " lda=" << lda << " ldc=" << ldc << " a_offset=" << a_offset
+                                  << (in_graph ? " in a graph" : ""));
   std::mt19937 rng(seed);
   const auto a = random_act(size_t(a_offset + M * lda), act, rng);
   const auto w = random_act(size_t(N * K), act, rng);
   DevBuf<uint16_t> da(a), dw(w), dc(size_t(std::max<int64_t>(M, 1) * ldc));
   dc.fill_bytes(0xFF);
-  blas.linear(M, N, K, da.ptr + a_offset, lda, dw.ptr, dc.ptr, ldc, act, nullptr);
+  if (in_graph) {
+    cudaStream_t stream = nullptr;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    blas.linear(M, N, K, da.ptr + a_offset, lda, dw.ptr, dc.ptr, ldc, act, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  } else {
+    blas.linear(M, N, K, da.ptr + a_offset, lda, dw.ptr, dc.ptr, ldc, act, nullptr);
+  }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto c = dc.download();
   if (M == 0) {
@@ -201,6 +220,40 @@ TEST(CudaGemm, BatchedNnMlaAbsorption) {
   // One head, one token.
   check_batched(blas, DType::bf16, 1, 1, 512, 128, 192, 192, 192, 512, 128 * 512, 576, 576, 576,
                 24);
+}
+
+// ---- tuning --------------------------------------------------------------------------------
+
+// Tuning times its candidates with the call's own operands and then runs the winner: results
+// stay within the fp32-accumulation rule (split-K forms add their parts in fp32), padding stays
+// untouched, a tuned plan serves later calls of its shape, a shape met first inside a capture
+// is not tuned there (a synchronizing capture would fail) but at its next eager call, and
+// tuning off stops tuning new shapes.
+TEST(CudaGemm, TuningKeepsResults) {
+  KMLA_REQUIRE_GPU();
+  const char* env = std::getenv("KMLA_GEMM_TUNE");
+  if (env != nullptr && std::strcmp(env, "0") == 0) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
+  Blas blas;
+  blas.set_tuning(true);
+  // The K3 decode step's q_b (deep K, few CTAs without split-K) with a padded ldc.
+  check_linear(blas, DType::bf16, 64, 2304, 1536, 1536, 2312, 0, 71);
+  EXPECT_EQ(blas.tuned_shapes(), 1);
+  check_linear(blas, DType::bf16, 64, 2304, 1536, 1536, 2312, 0, 72);  // the tuned plan
+  EXPECT_EQ(blas.tuned_shapes(), 1);
+  check_linear(blas, DType::f16, 5, 40, 72, 75, 41, 1, 73);  // 2-byte aligned rows
+  EXPECT_EQ(blas.tuned_shapes(), 2);
+  // W_UV of the absorption, batched.
+  check_batched(blas, DType::bf16, 3, 17, 128, 512, 3 * 576, 576, 17 * 3 * 576, 128, 512 * 128,
+                3 * 128 + 8, 128, 17 * (3 * 128 + 8), 74);
+  EXPECT_EQ(blas.tuned_shapes(), 3);
+  check_linear(blas, DType::bf16, 32, 1024, 2048, 2048, 1024, 0, 75, true);  // captured
+  EXPECT_EQ(blas.tuned_shapes(), 3);
+  check_linear(blas, DType::bf16, 32, 1024, 2048, 2048, 1024, 0, 76);  // now eager: tuned
+  EXPECT_EQ(blas.tuned_shapes(), 4);
+  blas.set_tuning(false);
+  check_linear(blas, DType::bf16, 16, 512, 1024, 1024, 512, 0, 77);
+  EXPECT_EQ(blas.tuned_shapes(), 4);
+  EXPECT_THROW(blas.set_tuning(false), Error);
 }
 
 // ---- activation quantization ---------------------------------------------------------------
