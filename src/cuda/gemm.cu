@@ -119,7 +119,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
   bool matmul_logged = false;
-  bool tuned = false;  // Blas tuning has timed this plan's candidates (16-bit kinds only)
+  bool tuned = false;  // Blas tuning has timed this plan's candidates
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -442,12 +442,13 @@ struct Blas::Impl {
   // the mutex.
   Plan& plan(const GemmKey& key);
 
-  // What tuning times for plan `p` of a 16-bit key: the heuristic's choice first, then its
-  // other usable results and split-K forms (fp32 reduction) of the first few unsplit ones.
+  // What tuning times for plan `p` of `key`: the heuristic's choice first, then its other
+  // usable results and split-K forms (fp32 reduction) of the first few unsplit ones.
   std::vector<LtAlgo> candidates(const Plan& p, const GemmKey& key) const;
 
-  // Times the candidates for `key` on `stream` with its real operands, each from a cold L2,
-  // and keeps the fastest in p.algo. Synchronizes `stream`. Caller holds the mutex.
+  // Times the candidates for `key` on `stream` with its real operands (an fp8 plan's scale
+  // pointers already set), each from a cold L2, and keeps the fastest in p.algo.
+  // Synchronizes `stream`. Caller holds the mutex.
   void tune(const GemmKey& key, Plan& p, const void* a, const void* b, void* d,
             cudaStream_t stream);
 
@@ -572,7 +573,8 @@ std::vector<LtAlgo> Blas::Impl::candidates(const Plan& p, const GemmKey& key) co
       if (same_algo(have.algo, algo)) return;
     out.push_back({algo});
   };
-  const QueryResult r = query(p, key, Prefs::strict, kMaxHeuristicResults);
+  QueryResult r = query(p, key, Prefs::strict, kMaxHeuristicResults);
+  if (r.algos.empty()) r = query(p, key, Prefs::aligned, kMaxHeuristicResults);  // as plan()
   for (const LtAlgo& result : r.algos) add(result.algo);
   int bases = 0;
   for (const LtAlgo& result : r.algos) {
@@ -886,6 +888,8 @@ void Blas::linear_fp8(int64_t M, const uint8_t* A8, const float* a_scales, const
         const void* x_scales = a_scales;
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w_scales);
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x_scales);
+        if (impl_->tuning > 0 && !p.tuned && !stream_capturing(stream))
+          impl_->tune(key, p, W.codes, A8, C, stream);
         const float alpha = 1.0f, beta = 0.0f;
         const cublasStatus_t st =
             cublasLtMatmul(impl_->handle, p.desc, &alpha, W.codes, p.a, A8, p.b, &beta, C, p.c, C,

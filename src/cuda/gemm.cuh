@@ -74,18 +74,18 @@ class Blas {
   void set_fp8_fallback(bool force);
 
   // GEMM tuning, for callers who ask for it (Layer::tune). While tuning is on (more
-  // set_tuning(true) than set_tuning(false) calls so far), the first call of each 16-bit shape
-  // (linear, batched_nn) on a stream that is not capturing times cuBLASLt's candidates for it on
-  // that stream with the call's own operands: the heuristic's choice, its other results and
-  // split-K forms (fp32 reduction) of the first few, each from a cold L2 (a read of twice the
-  // L2 first), median of 3 after a warm-up. The fastest, if 3 % faster than the heuristic's,
-  // serves every later call of the shape, tuning on or off. Such a call synchronizes `stream`;
-  // the first one allocates a flush buffer (2x the L2), freed when tuning goes off. Results
-  // stay within the same fp32-accumulation rule, but the summation order, and so the last bit,
-  // may depend on the timings. Shapes met first inside a capture keep the heuristic's choice
-  // until their next eager call while tuning is on. KMLA_GEMM_TUNE=0 (read by the constructor)
-  // makes set_tuning a no-op for A/B timings; KMLA_GEMM_VERBOSE=1 logs every tuning result.
-  // W8A8 shapes (linear_fp8) are not tuned.
+  // set_tuning(true) than set_tuning(false) calls so far), the first call of each shape
+  // (linear, batched_nn, and linear_fp8's cuBLASLt rows) on a stream that is not capturing
+  // times cuBLASLt's candidates for it on that stream with the call's own operands: the
+  // heuristic's choice, its other results and split-K forms (fp32 reduction) of the first
+  // few, each from a cold L2 (a read of twice the L2 first), median of 3 after a warm-up. The
+  // fastest, if 3 % faster than the heuristic's, serves every later call of the shape, tuning
+  // on or off. Such a call synchronizes `stream`; the first one allocates a flush buffer (2x
+  // the L2), freed when tuning goes off. Results stay within the same accumulation rule, but
+  // the summation order, and so the last bit, may depend on the timings. Shapes met first
+  // inside a capture keep the heuristic's choice until their next eager call while tuning is
+  // on. KMLA_GEMM_TUNE=0 (read by the constructor) makes set_tuning a no-op for A/B timings;
+  // KMLA_GEMM_VERBOSE=1 logs every tuning result.
   void set_tuning(bool on);
   // How many shapes tuning has timed so far (tests, logs).
   int tuned_shapes() const;

@@ -521,6 +521,21 @@ TEST(CudaGemm, LinearFp8SlicesAndOddShapes) {
   check_linear_fp8(blas, DType::f16, 17, random_fp8_weight(128, 640, 58), 128, false, 59);
 }
 
+// Tuning of the block-scaled W8A8 GEMM (sm_90): a q_b-like shape, its cuBLASLt rows tuned with
+// the call's scale pointers in place, the results within the fp8 MMA rule.
+TEST(CudaGemm, TuningKeepsFp8Results) {
+  KMLA_REQUIRE_GPU();
+  const char* env = std::getenv("KMLA_GEMM_TUNE");
+  if (env != nullptr && std::strcmp(env, "0") == 0) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
+  Blas blas;
+  blas.set_tuning(true);
+  const auto w = random_fp8_weight(2304, 1536, 81);
+  check_linear_fp8(blas, DType::bf16, 64, w, 2304, true, 82);
+  EXPECT_EQ(blas.tuned_shapes(), is_sm90() ? 1 : 0);
+  check_linear_fp8(blas, DType::bf16, 64, w, 2304, true, 83);  // the tuned plan, new inputs
+  blas.set_tuning(false);
+}
+
 // linear and linear_fp8 inside a CUDA graph: no allocation or synchronization in the calls.
 TEST(CudaGemm, CapturedInCudaGraph) {
   KMLA_REQUIRE_GPU();
