@@ -224,6 +224,12 @@ TEST(CudaGemm, BatchedNnMlaAbsorption) {
 
 // ---- tuning --------------------------------------------------------------------------------
 
+// KMLA_GEMM_TUNE=0 turns Blas tuning into a no-op (A/B timings): the tuning tests skip then.
+bool tuning_off() {
+  const char* env = std::getenv("KMLA_GEMM_TUNE");
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
 // Tuning times its candidates with the call's own operands and then runs the winner: results
 // stay within the fp32-accumulation rule (split-K forms add their parts in fp32), padding stays
 // untouched, a tuned plan serves later calls of its shape, a shape met first inside a capture
@@ -231,8 +237,7 @@ TEST(CudaGemm, BatchedNnMlaAbsorption) {
 // tuning off stops tuning new shapes.
 TEST(CudaGemm, TuningKeepsResults) {
   KMLA_REQUIRE_GPU();
-  const char* env = std::getenv("KMLA_GEMM_TUNE");
-  if (env != nullptr && std::strcmp(env, "0") == 0) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
+  if (tuning_off()) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
   Blas blas;
   blas.set_tuning(true);
   // The K3 decode step's q_b (deep K, few CTAs without split-K) with a padded ldc.
@@ -525,8 +530,7 @@ TEST(CudaGemm, LinearFp8SlicesAndOddShapes) {
 // the call's scale pointers in place, the results within the fp8 MMA rule.
 TEST(CudaGemm, TuningKeepsFp8Results) {
   KMLA_REQUIRE_GPU();
-  const char* env = std::getenv("KMLA_GEMM_TUNE");
-  if (env != nullptr && std::strcmp(env, "0") == 0) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
+  if (tuning_off()) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
   Blas blas;
   blas.set_tuning(true);
   const auto w = random_fp8_weight(2304, 1536, 81);
