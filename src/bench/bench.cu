@@ -2,12 +2,12 @@
 // current GPU. Every case allocates and random-fills its own buffers, times `iters` runs with
 // CUDA events (each after an L2 flush, outside the timed region) and reports the median
 // against the device-to-device copy bandwidth measured first, in this process.
-#include "bench/bench.hpp"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <functional>
 #include <memory>
@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench.hpp"
 #include "bench/cases.hpp"
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
@@ -834,17 +835,21 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   ctx.all_reduce = o.all_reduce;
   ctx.comm = o.comm;
   const std::string date = utc_now();
+  // The layer cases tune their GEMMs before timing (Layer::tune) unless KMLA_GEMM_TUNE=0.
+  const char* tune_env = std::getenv("KMLA_GEMM_TUNE");
+  const bool gemm_tuning = tune_env == nullptr || std::strcmp(tune_env, "0") != 0;
 
   if (!o.json) {
     char head[512];
     std::snprintf(head, sizeof head,
                   "kmla bench: %s, %d SMs, %s; copy bandwidth %.1f GB/s (2 GiB D2D, read+write, "
                   "median of 10), read-only %.1f GB/s (%.3f of copy); median of %d runs, L2 "
-                  "flushed by %s%s%s\n",
+                  "flushed by %s%s%s%s\n",
                   prop.name, prop.multiProcessorCount, date.c_str(), copy_gb_s, read_gb_s,
                   read_gb_s / copy_gb_s, o.iters, o.write_flush ? "writing" : "reading",
                   o.portable ? "; portable kernels" : "",
-                  o.sequential_blocks ? "; sequential blocks" : "");
+                  o.sequential_blocks ? "; sequential blocks" : "",
+                  gemm_tuning ? "" : "; GEMM tuning off");
     out << head;
     std::snprintf(head, sizeof head, "%-56s %10s %7s %8s  %6s  %s\n", "case", "us", "TB/s",
                   "TFLOP/s", "copy", "");
@@ -877,6 +882,7 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     doc["portable"] = o.portable;
     doc["sequential_blocks"] = o.sequential_blocks;
     doc["l2_flush"] = o.write_flush ? "write" : "read";
+    doc["gemm_tuning"] = gemm_tuning;
     doc["cases"] = std::move(results);
     out << doc.dump(2) << "\n";
   }
