@@ -55,6 +55,14 @@ struct DecodePlan {
   int sched_pair_keys = 32;
   int sched_min_keys = 256;
   int sched_nosplit_keys = 512;
+  // balanced, requests of several row tiles: the walk lists the pairs pass by pass (row tile 0
+  // of every request, then row tile 1, ...) instead of request by request. On a uniform batch
+  // with the worker count a multiple of the row tiles, each pass then starts on a share
+  // boundary, so worker w and worker w + W / tiles run the same keys of the same request at
+  // the same time, and the second read of every key tile can hit L2 (request order puts the
+  // second row tile a whole pair later, on the same or the next worker). Off unless
+  // KMLA_DECODE_PASS_ORDER=1 (not measured yet).
+  bool pass_major = false;
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
   // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
   bool programmatic_combine = false;
@@ -98,6 +106,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
+// KMLA_DECODE_PASS_ORDER=0|1,
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
 // KMLA_DECODE_WARP_OWN=0|1 (all plans: the 16-row 16-bit kernel's form,
 // DecodePlan::row16_warp_own). `format` is the cache format the plan will run on;

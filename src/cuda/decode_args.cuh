@@ -48,6 +48,9 @@ struct DecodeArgs {
   int sched_pair_keys;     // start-up charge of a (request, row tile) pair, in keys
   int sched_min_keys;      // fewest keys per worker
   int sched_nosplit_keys;  // pairs of at most this many keys are never cut
+  // balanced: the pairs in pass order (every request's row tile 0, then every row tile 1, ...)
+  // instead of request order (DecodePlan::pass_major).
+  bool pass_major;
   // Partials. per-request: ws_o [num_requests, max_rows, num_splits, 512] fp32 (normalised),
   // ws_lse [num_requests, max_rows, num_splits]. balanced: ws_o [2 num_workers, rows_per_cta,
   // 512], ws_lse [2 num_workers, rows_per_cta] (two slots per worker, see balanced_slot).

@@ -11,7 +11,9 @@
 //     costing its key tiles plus a fixed start-up charge. Every CTA (a "worker") reads the
 //     lengths, prefix-sums the costs and takes an equal share [lo, hi) of the total: the
 //     pairs inside it whole, the pairs across its ends in part. Short pairs are never cut:
-//     the worker whose share holds the pair's midpoint takes all of it.
+//     the worker whose share holds the pair's midpoint takes all of it. The list runs
+//     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major, pass by
+//     pass (r0 t0, r1 t0, ..., r0 t1, r1 t1, ...).
 // Everything a worker computes comes from seq_lens / query_lens on the device and the
 // plan's constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
 #pragma once
@@ -155,6 +157,16 @@ __host__ __device__ inline int64_t request_units(const DecodeArgs& a, int rows, 
   return sum;
 }
 
+// Cost of pair (r, t), 0 when row tile t of request r has no rows.
+__host__ __device__ inline int64_t pair_units(const DecodeArgs& a, int rows, int key_tile,
+                                              const SchedUnits& u, int r, int t) {
+  const int qlen = a.query_lens[r], seq = a.seq_lens[r];
+  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  int kmax = 0;
+  const int tiles = pair_tiles(a, rows, key_tile, qlen, seq, nrows, t * rows, &kmax);
+  return tiles < 0 ? 0 : tiles + u.pair;
+}
+
 // Workers that get a share of `total` units: the grid's, fewer when the shares would drop
 // below u.min_worker. Every share is then non-empty.
 __host__ __device__ inline int balanced_workers(int64_t total, int grid, int min_worker) {
@@ -189,16 +201,17 @@ __host__ __device__ inline int64_t balanced_partial(int w0, int n, int s, int ro
 struct WalkState {
   int64_t lo = 0, hi = 0, total = 0;  // the share [lo, hi) of `total` units
   int worker = 0, workers = 1;
-  int r = 0, tile = 0;  // the next pair to look at
+  int r = 0, tile = 0;  // the next pair to look at (in the list's order, DecodeArgs::pass_major)
   int64_t off = 0;      // its first unit
   SchedUnits u;
   int unused = 0;
 };
 
-// The worker's share, its walk starting at request r whose first unit is `off` (the first
-// request whose units reach the share).
+// The worker's share, its walk starting at pair (r, tile) whose first unit is `off`: in
+// request order the first request whose units reach the share (tile 0), in pass order the
+// first pair of the pass that does.
 __host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker, int workers,
-                                                int64_t total, int r, int64_t off) {
+                                                int64_t total, int r, int64_t off, int tile = 0) {
   WalkState st;
   st.u = u;
   st.lo = share_begin(worker, total, workers);
@@ -207,6 +220,7 @@ __host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker,
   st.worker = worker;
   st.workers = workers;
   st.r = r;
+  st.tile = tile;
   st.off = off;
   return st;
 }
@@ -222,7 +236,13 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
   // Pairs at most 1/8 of a share long are never cut either: cutting them saves at most a
   // few % of a worker's time and costs a partial write and a combine read.
   const int64_t short_units = (st.total / st.workers) / 8;
-  while (st.r < a.num_requests && st.off < st.hi) {
+  for (;;) {
+    if (a.pass_major && st.r == a.num_requests) {  // the pass is over: the next one
+      st.r = 0;
+      ++st.tile;
+    }
+    const bool listed = a.pass_major ? st.tile < a.row_tiles : st.r < a.num_requests;
+    if (!listed || st.off >= st.hi) return false;
     w.r = st.r;
     w.qlen = a.query_lens[st.r];
     w.seq = a.seq_lens[st.r];
@@ -232,13 +252,16 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
     const int tiles = pair_tiles(a, ROWS, KEY_TILE, w.qlen, w.seq, w.nrows, w.row0, &kmax);
     if (tiles < 0) {  // past the request's rows: on to the next request
       ++st.r;
-      st.tile = 0;
+      if (!a.pass_major) st.tile = 0;
       continue;
     }
     const int64_t pair = int64_t(st.r) * a.row_tiles + st.tile;
     const int64_t off = st.off, units = tiles + u.pair, end = off + units;
     st.off = end;
-    ++st.tile;
+    if (a.pass_major)
+      ++st.r;
+    else
+      ++st.tile;
     if (tiles <= u.nosplit || units <= short_units) {
       const int64_t mid = off + units / 2;  // whole, to the worker holding the midpoint
       if (st.lo <= mid && mid < st.hi) {
@@ -270,27 +293,17 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       return true;
     }
   }
-  return false;
 }
 
 #ifdef __CUDACC__
-// The balanced schedule's prologue: every thread sums the units of a contiguous run of
-// requests, a block-wide scan turns those into offsets, and the thread whose run holds this
-// worker's first unit finds the request there; thread 0 stores the worker's WalkState in
-// walk_s. False when the worker has nothing to do. Cost per CTA: ceil(R / threads) length
-// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers.
-template <int ROWS, int KEY_TILE>
-__device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
-  __shared__ int64_t warp_sum_s[32];
-  __shared__ int64_t start_s[2];
+// The exclusive prefix sum of `mine` over the CTA's threads in thread order, and the CTA's
+// total. Every thread calls it (one barrier); warp_sum_s ([32]) may be reused only after
+// another barrier.
+__device__ __forceinline__ int64_t block_exclusive_sum(int64_t mine, int64_t* warp_sum_s,
+                                                       int64_t& total) {
   const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
-  const SchedUnits u = sched_units(a, KEY_TILE);
-  const int per = (a.num_requests + nthreads - 1) / nthreads;
-  const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
-  int64_t mine = 0;
-  for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
-  int64_t incl = mine;  // inclusive scan within the warp
   const int lane = tid & 31, warp = tid >> 5;
+  int64_t incl = mine;  // inclusive scan within the warp
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
@@ -298,32 +311,85 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   }
   if (lane == 31) warp_sum_s[warp] = incl;
   __syncthreads();
-  int64_t before = incl - mine, total = 0;
+  int64_t before = incl - mine;
+  total = 0;
   for (int i = 0; i < nthreads / 32; ++i) {
     const int64_t v = warp_sum_s[i];
     if (i < warp) before += v;
     total += v;
   }
+  return before;
+}
+
+// The balanced schedule's prologue: every thread sums the units of a contiguous run of
+// requests, a block-wide scan turns those into offsets, and the thread whose run holds this
+// worker's first unit finds the request there; thread 0 stores the worker's WalkState in
+// walk_s. False when the worker has nothing to do. Cost per CTA: ceil(R / threads) length
+// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers; in pass
+// order with several row tiles, one more scan (and barrier pair) per pass up to the one that
+// holds the worker's first unit.
+template <int ROWS, int KEY_TILE>
+__device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
+  __shared__ int64_t warp_sum_s[32];
+  __shared__ int64_t start_s[3];  // the first pair (request, first unit, row tile)
+  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
+  const SchedUnits u = sched_units(a, KEY_TILE);
+  const int per = (a.num_requests + nthreads - 1) / nthreads;
+  const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
+  int64_t mine = 0;
+  for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
+  int64_t total = 0;
+  const int64_t before = block_exclusive_sum(mine, warp_sum_s, total);
   if (total == 0) return false;  // no request has rows
   const int workers = balanced_workers(total, int(gridDim.x), u.min_worker);
   const int worker = int(blockIdx.x);
   if (worker >= workers) return false;
   const int64_t lo = share_begin(worker, total, workers);
-  if (mine > 0 && before <= lo && lo < before + mine) {
-    int64_t off = before;
-    for (int r = rb; r < re; ++r) {
-      const int64_t units = request_units(a, ROWS, KEY_TILE, u, r);
-      if (lo < off + units) {
-        start_s[0] = r;
-        start_s[1] = off;
+  if (!a.pass_major || a.row_tiles == 1) {  // request order (one pass: the same list)
+    if (mine > 0 && before <= lo && lo < before + mine) {
+      int64_t off = before;
+      for (int r = rb; r < re; ++r) {
+        const int64_t units = request_units(a, ROWS, KEY_TILE, u, r);
+        if (lo < off + units) {
+          start_s[0] = r;
+          start_s[1] = off;
+          start_s[2] = 0;
+          break;
+        }
+        off += units;
+      }
+    }
+  } else {
+    int64_t cum = 0;  // units of the passes before t
+    for (int t = 0; t < a.row_tiles; ++t) {
+      int64_t mine_t = 0;
+      for (int r = rb; r < re; ++r) mine_t += pair_units(a, ROWS, KEY_TILE, u, r, t);
+      __syncthreads();  // the previous scan's reads of warp_sum_s are done
+      int64_t total_t = 0;
+      const int64_t before_t = block_exclusive_sum(mine_t, warp_sum_s, total_t);
+      if (lo < cum + total_t) {  // the same answer in every thread
+        if (mine_t > 0 && cum + before_t <= lo && lo < cum + before_t + mine_t) {
+          int64_t off = cum + before_t;
+          for (int r = rb; r < re; ++r) {
+            const int64_t units = pair_units(a, ROWS, KEY_TILE, u, r, t);
+            if (lo < off + units) {
+              start_s[0] = r;
+              start_s[1] = off;
+              start_s[2] = t;
+              break;
+            }
+            off += units;
+          }
+        }
         break;
       }
-      off += units;
+      cum += total_t;
     }
   }
   __syncthreads();
   if (tid == 0) {
-    const WalkState st = start_walk(u, worker, workers, total, int(start_s[0]), start_s[1]);
+    const WalkState st =
+        start_walk(u, worker, workers, total, int(start_s[0]), start_s[1], int(start_s[2]));
     memcpy(walk_s, &st, sizeof(st));
   }
   __syncthreads();

@@ -313,7 +313,17 @@ TEST(CudaDecodeSched, MultiTokenRows) {
   c.seq_lens = {5, 64, 65, 0, 3000, 1, 700, 12000};
   c.query_lens = {5, 3, 4, 0, 5, 1, 2, 3};
   c.seed = 43;
-  run_case(c, {{0, 0}, {0, 16, false, 50}, {0, 32, false, 9, 0, 0, 0}, {0, 64, false, 200, 0, 0, 0}});
+  run_case(c, {{0, 0},
+               {0, 16, false, 50},
+               {0, 32, false, 9, 0, 0, 0},
+               {0, 64, false, 200, 0, 0, 0},
+               {.rows_per_cta = 16, .workers = 50, .pass_major = true},
+               {.rows_per_cta = 32,
+                .workers = 9,
+                .min_keys = 0,
+                .nosplit_keys = 0,
+                .pair_keys = 0,
+                .pass_major = true}});
   c.causal = false;
   c.seed = 44;
   run_case(c, {{0, 0}, {0, 16, false, 31, 0, 0, 0}});
@@ -334,7 +344,13 @@ TEST(CudaDecodeSched, SixtyFourHeads) {
   c.seq_lens = {1, 0, 64, 65, 5000, 129, 20000};
   c.query_lens = {1, 1, 1, 0, 2, 1, 1};
   c.seed = 46;
-  run_case(c, {{0, 0}, {0, 0, false, 5}, {0, 0, false, 300, 0, 0, 0}, {3, 0}});
+  run_case(
+      c, {{0, 0},
+          {0, 0, false, 5},
+          {0, 0, false, 300, 0, 0, 0},
+          {3, 0},
+          {.workers = 5, .pass_major = true},
+          {.workers = 300, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .pass_major = true}});
 }
 
 // ---- the scheduler's arithmetic on the CPU ------------------------------------------------
@@ -346,17 +362,46 @@ TEST(CudaDecodeSched, SixtyFourHeads) {
 struct HostSchedCase {
   int heads = 8, max_qlen = 1, rows = 16, key_tile = 32, grid = 264;
   bool causal = true;
+  bool pass_major = false;  // DecodeArgs::pass_major
   int pair_keys = 32, min_keys = 256, nosplit_keys = 512;
   std::vector<int32_t> seq, qlen;
 };
 
-// Every piece of worker w, as the device walks them (off: the requests' first units).
+// The requests' first units in request order (off[R] = the total).
+template <int ROWS, int KEY_TILE>
+std::vector<int64_t> request_offsets(const DecodeArgs& a, const SchedUnits& u) {
+  std::vector<int64_t> off(size_t(a.num_requests) + 1, 0);
+  for (int r = 0; r < a.num_requests; ++r)
+    off[size_t(r) + 1] = off[size_t(r)] + request_units(a, ROWS, KEY_TILE, u, r);
+  return off;
+}
+
+// Every piece of worker w, as the device walks them (off: the requests' first units). The
+// start is found as the device prologue finds it: the request holding the share's first
+// unit, or in pass order the pair holding it (a plain loop over the list here).
 template <int ROWS, int KEY_TILE, class F>
 void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, int64_t total,
                  const std::vector<int64_t>& off, bool write_table, F&& f) {
   const int64_t lo = share_begin(w, total, workers);
-  const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
-  WalkState st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
+  WalkState st;
+  if (!a.pass_major || a.row_tiles == 1) {
+    const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
+    st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
+  } else {
+    int64_t x = 0;
+    bool found = false;
+    for (int t = 0; t < a.row_tiles && !found; ++t)
+      for (int r = 0; r < a.num_requests && !found; ++r) {
+        const int64_t units = pair_units(a, ROWS, KEY_TILE, u, r, t);
+        if (lo < x + units) {
+          st = start_walk(u, w, workers, total, r, x, t);
+          found = true;
+        }
+        x += units;
+      }
+    ASSERT_TRUE(found) << "worker " << w << ": no pair holds unit " << lo;
+    ASSERT_EQ(x <= total, true);
+  }
   DecodeWork p;
   while (next_piece<ROWS, KEY_TILE>(a, st, write_table, p)) f(p);
 }
@@ -377,6 +422,7 @@ DecodeArgs host_sched_args(const HostSchedCase& c, int rows) {
   a.sched_pair_keys = c.pair_keys;
   a.sched_min_keys = c.min_keys;
   a.sched_nosplit_keys = c.nosplit_keys;
+  a.pass_major = c.pass_major;
   return a;
 }
 
@@ -388,9 +434,8 @@ void check_host_schedule(const HostSchedCase& c) {
   a.pair_table = table.data();
 
   const SchedUnits u = sched_units(a, KEY_TILE);
-  std::vector<int64_t> off(R + 1, 0);
-  for (int r = 0; r < R; ++r) off[r + 1] = off[r] + request_units(a, ROWS, KEY_TILE, u, r);
-  const int64_t total = off[R];
+  const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
+  const int64_t total = off[size_t(R)];
   if (total == 0) return;
   const int workers = balanced_workers(total, c.grid, u.min_worker);
   ASSERT_GE(workers, 1);
@@ -478,14 +523,18 @@ TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
                       : kind == 2 ? 20000 + int(rng() % 50000) : int(rng() % 3000));
       c.qlen.push_back(kind == 3 ? 0 : 1 + int(rng() % c.max_qlen));
     }
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << R << " requests, "
-                                      << c.heads << " heads, grid " << c.grid);
-    if (trial % 4 == 3) {
-      check_host_schedule<64, 64>(c);  // the wgmma kernel's tiles
-    } else if (trial % 4 == 2) {
-      check_host_schedule<16, 32>(c);
-    } else {
-      check_host_schedule<32, 32>(c);
+    for (const bool pass_major : {false, true}) {
+      c.pass_major = pass_major;
+      SCOPED_TRACE(::testing::Message()
+                   << "trial " << trial << ": " << R << " requests, " << c.heads << " heads, grid "
+                   << c.grid << (pass_major ? ", pass order" : ", request order"));
+      if (trial % 4 == 3) {
+        check_host_schedule<64, 64>(c);  // the wgmma kernel's tiles
+      } else if (trial % 4 == 2) {
+        check_host_schedule<16, 32>(c);
+      } else {
+        check_host_schedule<32, 32>(c);
+      }
     }
     if (::testing::Test::HasFailure()) break;
   }
@@ -515,8 +564,7 @@ TEST(DecodeSched, WorkersAlignToTheRequests) {
   check_host_schedule<16, 32>(c);
   const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
-  std::vector<int64_t> off(129, 0);
-  for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
+  const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
   const int workers = balanced_workers(off[128], c.grid, u.min_worker);
   ASSERT_EQ(workers, 256);
   for (int w = 0; w < workers; ++w) {
@@ -546,8 +594,7 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
   check_host_schedule<16, 32>(c);
   const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
-  std::vector<int64_t> off(129, 0);
-  for (int r = 0; r < 128; ++r) off[r + 1] = off[r] + request_units(a, 16, 32, u, r);
+  const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
   const int64_t total = off[128];
   const int workers = balanced_workers(total, 264, u.min_worker);
   EXPECT_EQ(workers, 264);
@@ -561,6 +608,63 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
     sum += tiles;
   }
   EXPECT_LE(double(most), 1.1 * double(sum) / workers);
+}
+
+// Pass order on uniform batches of two or three 64-row tiles per request, with the worker
+// count a multiple of the tiles (132 on H200: 128 heads x 1 token, 64 heads x 2 causal, 64 x 3):
+// worker w + k W / tiles walks exactly worker w's pieces (same request, same keys) on row
+// tile k, so the CTAs that read a key tile for the request's row tiles run at the same time.
+// Request order puts the second row tile a pair later instead: on the same worker 65 tiles
+// on, or on the next worker a few tiles apart.
+struct WalkPiece {
+  int r, row0, key0, key1;
+};
+
+TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
+  struct Shape {
+    int requests, heads, qlen, seq;
+  };
+  for (const Shape& sh : {Shape{64, 128, 1, 8192}, Shape{128, 128, 1, 4096},
+                          Shape{16, 128, 1, 4096}, Shape{64, 64, 2, 8192}, Shape{8, 64, 3, 3000}}) {
+    SCOPED_TRACE(::testing::Message() << sh.requests << " x " << sh.heads << " heads x " << sh.qlen
+                                      << " tokens, " << sh.seq << " keys");
+    HostSchedCase c;
+    c.heads = sh.heads;
+    c.max_qlen = sh.qlen;
+    c.grid = 132;
+    c.pass_major = true;
+    c.seq.assign(size_t(sh.requests), sh.seq);
+    c.qlen.assign(size_t(sh.requests), sh.qlen);
+    check_host_schedule<64, 64>(c);
+    const DecodeArgs a = host_sched_args(c, 64);
+    const SchedUnits u = sched_units(a, 64);
+    const std::vector<int64_t> off = request_offsets<64, 64>(a, u);
+    const int64_t total = off.back();
+    const int workers = balanced_workers(total, c.grid, u.min_worker);
+    ASSERT_EQ(workers % a.row_tiles, 0);
+    const int group = workers / a.row_tiles;
+    std::vector<std::vector<WalkPiece>> walks(static_cast<size_t>(workers));
+    for (int w = 0; w < workers; ++w)
+      walk_worker<64, 64>(a, u, w, workers, total, off, false, [&](const DecodeWork& p) {
+        walks[size_t(w)].push_back({p.r, p.row0, p.key0, p.key1});
+      });
+    for (int w = 0; w < group; ++w) {
+      ASSERT_FALSE(walks[size_t(w)].empty()) << "worker " << w;
+      for (int t = 1; t < a.row_tiles; ++t) {
+        const auto& lead = walks[size_t(w)];
+        const auto& mate = walks[size_t(w + t * group)];
+        ASSERT_EQ(mate.size(), lead.size()) << "workers " << w << " and " << w + t * group;
+        for (size_t i = 0; i < lead.size(); ++i) {
+          EXPECT_EQ(lead[i].row0, 0);
+          EXPECT_EQ(mate[i].row0, 64 * t);
+          EXPECT_EQ(mate[i].r, lead[i].r) << "worker " << w << " piece " << i;
+          EXPECT_EQ(mate[i].key0, lead[i].key0) << "worker " << w << " piece " << i;
+          // Causal rows of a later token see one key more: at most one tile apart.
+          EXPECT_LE(std::abs(mate[i].key1 - lead[i].key1), 64) << "worker " << w << " piece " << i;
+        }
+      }
+    }
+  }
 }
 
 // ---- batch invariance ------------------------------------------------------------------

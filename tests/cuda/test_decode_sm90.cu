@@ -70,8 +70,10 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
 }
 
 // Splits: the plan's choice, one (direct output), a few, and more than a short request has
-// 64-key tiles (empty splits write LSE -inf only). rows_per_cta stays 64: the wgmma tile.
-const std::vector<PlanTweak> kSm90Tweaks = {{0, 0}, {1, 0}, {3, 0}, {40, 0}};
+// 64-key tiles (empty splits write LSE -inf only); the balanced walk in pass order, on the
+// plan's workers and on 7 (pieces cut across passes). rows_per_cta stays 64: the wgmma tile.
+const std::vector<PlanTweak> kSm90Tweaks = {
+    {0, 0}, {1, 0}, {3, 0}, {40, 0}, {.pass_major = true}, {.workers = 7, .pass_major = true}};
 
 TEST(CudaDecodeSm90, Bf16Heads128MixedLengths) {
   KMLA_REQUIRE_GPU();
