@@ -12,8 +12,9 @@
 //     lengths, prefix-sums the costs and takes an equal share [lo, hi) of the total: the
 //     pairs inside it whole, the pairs across its ends in part. Short pairs are never cut:
 //     the worker whose share holds the pair's midpoint takes all of it. The list runs
-//     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major, pass by
-//     pass (r0 t0, r1 t0, ..., r0 t1, r1 t1, ...).
+//     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major when
+//     every request with rows has the same number (>= 2) of row tiles, pass by pass (r0 t0,
+//     r1 t0, ..., r0 t1, r1 t1, ...).
 // Everything a worker computes comes from seq_lens / query_lens on the device and the
 // plan's constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
 #pragma once
@@ -157,6 +158,23 @@ __host__ __device__ inline int64_t request_units(const DecodeArgs& a, int rows, 
   return sum;
 }
 
+// Row tiles of request r that hold rows (0 for a request without query rows).
+__host__ __device__ inline int live_row_tiles(const DecodeArgs& a, int rows, int r) {
+  const int qlen = a.query_lens[r];
+  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  return nrows > 0 ? (nrows + rows - 1) / rows : 0;
+}
+
+// Whether the walk runs in pass order: asked for (DecodeArgs::pass_major), and every request
+// with rows has the same number n >= 2 of row tiles, given the fewest and the most of those
+// counts (requests without rows left out). Then every pass lists the same requests, so a
+// worker never walks long runs of empty pairs, and on a batch whose pairs cost alike the
+// passes start on share boundaries (the lockstep DecodePlan::pass_major is for); anything
+// else keeps request order.
+__host__ __device__ inline bool pass_order(const DecodeArgs& a, int fewest, int most) {
+  return a.pass_major && a.row_tiles > 1 && fewest == most && fewest >= 2;
+}
+
 // Cost of pair (r, t), 0 when row tile t of request r has no rows.
 __host__ __device__ inline int64_t pair_units(const DecodeArgs& a, int rows, int key_tile,
                                               const SchedUnits& u, int r, int t) {
@@ -201,18 +219,20 @@ __host__ __device__ inline int64_t balanced_partial(int w0, int n, int s, int ro
 struct WalkState {
   int64_t lo = 0, hi = 0, total = 0;  // the share [lo, hi) of `total` units
   int worker = 0, workers = 1;
-  int r = 0, tile = 0;  // the next pair to look at (in the list's order, DecodeArgs::pass_major)
+  int r = 0, tile = 0;  // the next pair to look at, in the list's order
   int64_t off = 0;      // its first unit
   SchedUnits u;
-  int unused = 0;
+  int pass_major = 0;  // the list in pass order (pass_order), else request order
 };
 
 // The worker's share, its walk starting at pair (r, tile) whose first unit is `off`: in
 // request order the first request whose units reach the share (tile 0), in pass order the
-// first pair of the pass that does.
+// pair that holds the share's first unit.
 __host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker, int workers,
-                                                int64_t total, int r, int64_t off, int tile = 0) {
+                                                int64_t total, int r, int64_t off, int tile = 0,
+                                                bool pass_major = false) {
   WalkState st;
+  st.pass_major = pass_major ? 1 : 0;
   st.u = u;
   st.lo = share_begin(worker, total, workers);
   st.hi = share_begin(worker + 1, total, workers);
@@ -237,11 +257,11 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
   // few % of a worker's time and costs a partial write and a combine read.
   const int64_t short_units = (st.total / st.workers) / 8;
   for (;;) {
-    if (a.pass_major && st.r == a.num_requests) {  // the pass is over: the next one
+    if (st.pass_major && st.r == a.num_requests) {  // the pass is over: the next one
       st.r = 0;
       ++st.tile;
     }
-    const bool listed = a.pass_major ? st.tile < a.row_tiles : st.r < a.num_requests;
+    const bool listed = st.pass_major ? st.tile < a.row_tiles : st.r < a.num_requests;
     if (!listed || st.off >= st.hi) return false;
     w.r = st.r;
     w.qlen = a.query_lens[st.r];
@@ -252,13 +272,13 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
     const int tiles = pair_tiles(a, ROWS, KEY_TILE, w.qlen, w.seq, w.nrows, w.row0, &kmax);
     if (tiles < 0) {  // past the request's rows: on to the next request
       ++st.r;
-      if (!a.pass_major) st.tile = 0;
+      if (!st.pass_major) st.tile = 0;
       continue;
     }
     const int64_t pair = int64_t(st.r) * a.row_tiles + st.tile;
     const int64_t off = st.off, units = tiles + u.pair, end = off + units;
     st.off = end;
-    if (a.pass_major)
+    if (st.pass_major)
       ++st.r;
     else
       ++st.tile;
@@ -297,8 +317,8 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
 
 #ifdef __CUDACC__
 // The exclusive prefix sum of `mine` over the CTA's threads in thread order, and the CTA's
-// total. Every thread calls it (one barrier); warp_sum_s ([32]) may be reused only after
-// another barrier.
+// total. Every thread calls it (one barrier; blockDim a multiple of 32); warp_sum_s ([32])
+// may be reused only after another barrier.
 __device__ __forceinline__ int64_t block_exclusive_sum(int64_t mine, int64_t* warp_sum_s,
                                                        int64_t& total) {
   const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
@@ -321,12 +341,33 @@ __device__ __forceinline__ int64_t block_exclusive_sum(int64_t mine, int64_t* wa
   return before;
 }
 
+// The CTA's smallest `lo` and largest `hi` (non-negative) over its threads, in warp_s ([32],
+// reused: a barrier first, then one after the writes).
+__device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
+  const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, d));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+  }
+  __syncthreads();  // the previous use of warp_s is read
+  if ((tid & 31) == 0) warp_s[tid >> 5] = int64_t(uint64_t(uint32_t(lo)) << 32 | uint32_t(hi));
+  __syncthreads();
+  for (int i = 0; i < nthreads / 32; ++i) {
+    const uint64_t v = uint64_t(warp_s[i]);
+    lo = min(lo, int(v >> 32));
+    hi = max(hi, int(uint32_t(v)));
+  }
+  return make_int2(lo, hi);
+}
+
 // The balanced schedule's prologue: every thread sums the units of a contiguous run of
 // requests, a block-wide scan turns those into offsets, and the thread whose run holds this
 // worker's first unit finds the request there; thread 0 stores the worker's WalkState in
 // walk_s. False when the worker has nothing to do. Cost per CTA: ceil(R / threads) length
-// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers; in pass
-// order with several row tiles, one more scan (and barrier pair) per pass up to the one that
+// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers; with pass
+// order asked for and several row tiles, a min / max of the requests' row tile counts (two
+// barriers) and, in pass order, one more scan (and barrier pair) per pass up to the one that
 // holds the worker's first unit.
 template <int ROWS, int KEY_TILE>
 __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
@@ -338,6 +379,7 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
   int64_t mine = 0;
   for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
+  if (tid == 0) start_s[0] = start_s[1] = start_s[2] = 0;  // (always overwritten below)
   int64_t total = 0;
   const int64_t before = block_exclusive_sum(mine, warp_sum_s, total);
   if (total == 0) return false;  // no request has rows
@@ -345,7 +387,17 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   const int worker = int(blockIdx.x);
   if (worker >= workers) return false;
   const int64_t lo = share_begin(worker, total, workers);
-  if (!a.pass_major || a.row_tiles == 1) {  // request order (one pass: the same list)
+  bool by_pass = false;
+  if (a.pass_major && a.row_tiles > 1) {  // the fewest and most row tiles of requests with rows
+    int fewest = 0x7fffffff, most = 0;
+    for (int r = rb; r < re; ++r) {
+      const int n = live_row_tiles(a, ROWS, r);
+      if (n > 0) fewest = min(fewest, n), most = max(most, n);
+    }
+    const int2 mm = block_min_max(fewest, most, warp_sum_s);
+    by_pass = pass_order(a, mm.x, mm.y);
+  }
+  if (!by_pass) {  // request order
     if (mine > 0 && before <= lo && lo < before + mine) {
       int64_t off = before;
       for (int r = rb; r < re; ++r) {
@@ -388,8 +440,8 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   }
   __syncthreads();
   if (tid == 0) {
-    const WalkState st =
-        start_walk(u, worker, workers, total, int(start_s[0]), start_s[1], int(start_s[2]));
+    const WalkState st = start_walk(u, worker, workers, total, int(start_s[0]), start_s[1],
+                                    int(start_s[2]), by_pass);
     memcpy(walk_s, &st, sizeof(st));
   }
   __syncthreads();

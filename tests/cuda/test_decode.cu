@@ -376,6 +376,17 @@ std::vector<int64_t> request_offsets(const DecodeArgs& a, const SchedUnits& u) {
   return off;
 }
 
+// Whether the walk takes pass order for this batch: pass_order over the requests' row tile
+// counts (the device prologue reduces the same fewest / most across its threads).
+bool host_pass_order(const DecodeArgs& a, int rows) {
+  int fewest = std::numeric_limits<int>::max(), most = 0;
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int n = live_row_tiles(a, rows, r);
+    if (n > 0) fewest = std::min(fewest, n), most = std::max(most, n);
+  }
+  return pass_order(a, fewest, most);
+}
+
 // Every piece of worker w, as the device walks them (off: the requests' first units). The
 // start is found as the device prologue finds it: the request holding the share's first
 // unit, or in pass order the pair holding it (a plain loop over the list here).
@@ -384,7 +395,7 @@ void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, i
                  const std::vector<int64_t>& off, bool write_table, F&& f) {
   const int64_t lo = share_begin(w, total, workers);
   WalkState st;
-  if (!a.pass_major || a.row_tiles == 1) {
+  if (!host_pass_order(a, ROWS)) {
     const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
     st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
   } else {
@@ -394,13 +405,12 @@ void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, i
       for (int r = 0; r < a.num_requests && !found; ++r) {
         const int64_t units = pair_units(a, ROWS, KEY_TILE, u, r, t);
         if (lo < x + units) {
-          st = start_walk(u, w, workers, total, r, x, t);
+          st = start_walk(u, w, workers, total, r, x, t, true);
           found = true;
         }
         x += units;
       }
     ASSERT_TRUE(found) << "worker " << w << ": no pair holds unit " << lo;
-    ASSERT_EQ(x <= total, true);
   }
   DecodeWork p;
   while (next_piece<ROWS, KEY_TILE>(a, st, write_table, p)) f(p);
@@ -523,11 +533,19 @@ TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
                       : kind == 2 ? 20000 + int(rng() % 50000) : int(rng() % 3000));
       c.qlen.push_back(kind == 3 ? 0 : 1 + int(rng() % c.max_qlen));
     }
-    for (const bool pass_major : {false, true}) {
-      c.pass_major = pass_major;
-      SCOPED_TRACE(::testing::Message()
-                   << "trial " << trial << ": " << R << " requests, " << c.heads << " heads, grid "
-                   << c.grid << (pass_major ? ", pass order" : ", request order"));
+    // Request order; pass order asked for (mostly mixed row tile counts: request order
+    // again); and pass order on the same lengths with every request's query at the longest
+    // (one row tile count for all requests with rows, so the pass order runs).
+    HostSchedCase uniform = c;
+    for (int32_t& q : uniform.qlen) q = q > 0 ? c.max_qlen : 0;
+    for (int variant = 0; variant < 3; ++variant) {
+      if (variant == 2) c = uniform;
+      c.pass_major = variant > 0;
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << R << " requests, "
+                                        << c.heads << " heads, grid " << c.grid
+                                        << (variant == 0   ? ", request order"
+                                            : variant == 1 ? ", pass order asked"
+                                                           : ", pass order, uniform queries"));
       if (trial % 4 == 3) {
         check_host_schedule<64, 64>(c);  // the wgmma kernel's tiles
       } else if (trial % 4 == 2) {
@@ -615,7 +633,9 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
 // worker w + k W / tiles walks exactly worker w's pieces (same request, same keys) on row
 // tile k, so the CTAs that read a key tile for the request's row tiles run at the same time.
 // Request order puts the second row tile a pair later instead: on the same worker 65 tiles
-// on, or on the next worker a few tiles apart.
+// on, or on the next worker a few tiles apart. With one token per request the passes cost
+// the same whatever the lengths, so mixed lengths (4096..12288) line up too. A batch whose
+// requests have different row tile counts keeps request order.
 struct WalkPiece {
   int r, row0, key0, key1;
 };
@@ -623,20 +643,26 @@ struct WalkPiece {
 TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
   struct Shape {
     int requests, heads, qlen, seq;
+    bool mixed_lengths = false;
   };
-  for (const Shape& sh : {Shape{64, 128, 1, 8192}, Shape{128, 128, 1, 4096},
-                          Shape{16, 128, 1, 4096}, Shape{64, 64, 2, 8192}, Shape{8, 64, 3, 3000}}) {
-    SCOPED_TRACE(::testing::Message() << sh.requests << " x " << sh.heads << " heads x " << sh.qlen
-                                      << " tokens, " << sh.seq << " keys");
+  for (const Shape& sh :
+       {Shape{64, 128, 1, 8192}, Shape{128, 128, 1, 4096}, Shape{16, 128, 1, 4096},
+        Shape{64, 64, 2, 8192}, Shape{8, 64, 3, 3000}, Shape{128, 128, 1, 8192, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << sh.requests << " x " << sh.heads << " heads x " << sh.qlen << " tokens, "
+                 << sh.seq << " keys" << (sh.mixed_lengths ? " on average" : ""));
     HostSchedCase c;
     c.heads = sh.heads;
     c.max_qlen = sh.qlen;
     c.grid = 132;
     c.pass_major = true;
-    c.seq.assign(size_t(sh.requests), sh.seq);
     c.qlen.assign(size_t(sh.requests), sh.qlen);
+    std::mt19937 rng(7);
+    for (int r = 0; r < sh.requests; ++r)
+      c.seq.push_back(sh.mixed_lengths ? sh.seq / 2 + int(rng() % uint32_t(sh.seq)) : sh.seq);
     check_host_schedule<64, 64>(c);
     const DecodeArgs a = host_sched_args(c, 64);
+    ASSERT_TRUE(host_pass_order(a, 64));
     const SchedUnits u = sched_units(a, 64);
     const std::vector<int64_t> off = request_offsets<64, 64>(a, u);
     const int64_t total = off.back();
@@ -665,6 +691,19 @@ TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
       }
     }
   }
+  // One request of three tokens among one-token ones (64 heads: 3 row tiles against 1): the
+  // passes would hold mostly empty pairs, so the walk stays in request order.
+  HostSchedCase c;
+  c.heads = 64;
+  c.max_qlen = 3;
+  c.pass_major = true;
+  c.grid = 132;
+  c.seq.assign(40, 2000);
+  c.qlen.assign(40, 1);
+  c.qlen[7] = 3;
+  const DecodeArgs a = host_sched_args(c, 64);
+  EXPECT_FALSE(host_pass_order(a, 64));
+  check_host_schedule<64, 64>(c);
 }
 
 // ---- batch invariance ------------------------------------------------------------------
