@@ -79,6 +79,12 @@ __host__ __device__ inline int decode_row_keys(const DecodeArgs& a, int qlen, in
   return k > 0 ? k : 0;
 }
 
+// Rows of a request of qlen query tokens that the grid covers: qlen * heads, at most
+// max_rows (rows past plan.max_query_len, a caller breaking the plan, are not computed).
+__host__ __device__ inline int covered_rows(const DecodeArgs& a, int qlen) {
+  return qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+}
+
 // ---- per-request schedule -----------------------------------------------------------
 // The CTA's piece from blockIdx = (row tile, split, request); false when the tile has no
 // rows (a padded slot, or past the request's rows).
@@ -93,7 +99,7 @@ __device__ inline bool per_request_work(const DecodeArgs& a, DecodeWork& w) {
   w.seq = a.seq_lens[w.r];
   // Rows past plan.max_query_len (a caller breaking the plan) are not computed: the grid
   // and the workspace only cover max_rows per request.
-  w.nrows = min(w.qlen * a.heads, a.max_rows);
+  w.nrows = covered_rows(a, w.qlen);
   if (w.row0 >= w.nrows) return false;
   // The tile's last valid row sees the most keys; split that range into tile-aligned parts.
   // Default: num_splits equal parts. Batch invariant: parts of a size set by the request's
@@ -149,7 +155,7 @@ __host__ __device__ inline int pair_tiles(const DecodeArgs& a, int rows, int key
 __host__ __device__ inline int64_t request_units(const DecodeArgs& a, int rows, int key_tile,
                                                  const SchedUnits& u, int r) {
   const int qlen = a.query_lens[r], seq = a.seq_lens[r];
-  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  const int nrows = covered_rows(a, qlen);
   int64_t sum = 0;
   for (int row0 = 0; row0 < nrows; row0 += rows) {
     int kmax = 0;
@@ -160,8 +166,7 @@ __host__ __device__ inline int64_t request_units(const DecodeArgs& a, int rows, 
 
 // Row tiles of request r that hold rows (0 for a request without query rows).
 __host__ __device__ inline int live_row_tiles(const DecodeArgs& a, int rows, int r) {
-  const int qlen = a.query_lens[r];
-  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  const int nrows = covered_rows(a, a.query_lens[r]);
   return nrows > 0 ? (nrows + rows - 1) / rows : 0;
 }
 
@@ -179,7 +184,7 @@ __host__ __device__ inline bool pass_order(const DecodeArgs& a, int fewest, int 
 __host__ __device__ inline int64_t pair_units(const DecodeArgs& a, int rows, int key_tile,
                                               const SchedUnits& u, int r, int t) {
   const int qlen = a.query_lens[r], seq = a.seq_lens[r];
-  const int nrows = qlen * a.heads < a.max_rows ? qlen * a.heads : a.max_rows;
+  const int nrows = covered_rows(a, qlen);
   int kmax = 0;
   const int tiles = pair_tiles(a, rows, key_tile, qlen, seq, nrows, t * rows, &kmax);
   return tiles < 0 ? 0 : tiles + u.pair;
@@ -266,7 +271,7 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
     w.r = st.r;
     w.qlen = a.query_lens[st.r];
     w.seq = a.seq_lens[st.r];
-    w.nrows = w.qlen * a.heads < a.max_rows ? w.qlen * a.heads : a.max_rows;
+    w.nrows = covered_rows(a, w.qlen);
     w.row0 = st.tile * ROWS;
     int kmax = 0;
     const int tiles = pair_tiles(a, ROWS, KEY_TILE, w.qlen, w.seq, w.nrows, w.row0, &kmax);
@@ -379,7 +384,9 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
   int64_t mine = 0;
   for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
-  if (tid == 0) start_s[0] = start_s[1] = start_s[2] = 0;  // (always overwritten below)
+  // The list's head: overwritten below by the thread that finds the worker's first pair (a
+  // walk from the head would also be right, only longer).
+  if (tid == 0) start_s[0] = start_s[1] = start_s[2] = 0;
   int64_t total = 0;
   const int64_t before = block_exclusive_sum(mine, warp_sum_s, total);
   if (total == 0) return false;  // no request has rows
