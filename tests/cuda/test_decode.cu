@@ -517,6 +517,7 @@ void check_host_schedule(const HostSchedCase& c) {
 
 TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
   std::mt19937 rng(5);
+  int pass_walks = 0;  // trials whose walk ran in pass order
   for (int trial = 0; trial < 300; ++trial) {
     HostSchedCase c;
     const int R = 1 + int(rng() % (trial % 3 == 0 ? 300 : 20));
@@ -546,16 +547,19 @@ TEST(DecodeSched, BalancedWalkCoversEveryKeyOnce) {
                                         << (variant == 0   ? ", request order"
                                             : variant == 1 ? ", pass order asked"
                                                            : ", pass order, uniform queries"));
-      if (trial % 4 == 3) {
+      const int rows = trial % 4 == 3 ? 64 : trial % 4 == 2 ? 16 : 32;
+      if (rows == 64) {
         check_host_schedule<64, 64>(c);  // the wgmma kernel's tiles
-      } else if (trial % 4 == 2) {
+      } else if (rows == 16) {
         check_host_schedule<16, 32>(c);
       } else {
         check_host_schedule<32, 32>(c);
       }
+      if (host_pass_order(host_sched_args(c, rows), rows)) ++pass_walks;
     }
     if (::testing::Test::HasFailure()) break;
   }
+  EXPECT_GE(pass_walks, 50) << "too few trials ran the walk in pass order";
 }
 
 // The balanced plan's worker count: a multiple of the requests when that idles at most 1/32
