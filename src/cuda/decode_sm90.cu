@@ -980,15 +980,409 @@ __device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const Dec
 #endif
 }
 
+// ---- the seesaw on a ring of four 32-key stages (DecodeSm90Options::seesaw_ring) ----------
+// The seesaw above with 32-key tiles in four 36 KB stages (the same 144 KB): tile t lives in
+// stage t & 3, so a stage refilled after its tile's last product is read again a whole step
+// later (two tiles), where the two-stage seesaw needs it right after one P V. Step i takes
+// tiles A = 2i and B = 2i + 1 with the seesaw's roles and order:
+//   wg 0: softmax A; P_A -> panel 8 of A's stage; O_L = O_L c_A + P_A V_AL (P from registers);
+//         refill A + 4's V_L; (P_B) O_L = O_L c_B + P_B V_BL; S of A + 2 under it, with
+//         B + 4's V_L and panel 8 refilled once P_B V_BL is done
+//   wg 1: (P_A) O_R = O_R c_A + P_A V_AR with the softmax of B under it; P_B -> panel 8 of
+//         B's stage; refill A + 4's V_R and panel 8; O_R = O_R c_B + P_B V_BR (registers);
+//         refill B + 4's V_R; S of B + 2
+// A stage is 9 panels of 32 keys x 128 B (4 KB); S of a tile is 36 wgmma m64n32k16, P V two
+// m64n256k16 per warpgroup. P (64 rows x 32 keys in T, 4 KB) fits the tile's panel 8 only in
+// the 32-byte swizzle: two blocks of 16 keys (2 KB each), rows 32 B apart, 16-byte chunk c of
+// row r at c ^ (r >> 2 & 1) (CUTLASS's K-major SW32 atom: 8 rows x 32 B, Swizzle<1,4,3>), read
+// through descriptors of swizzle mode 3 with 256-byte 8-row groups. 36 per-panel mbarriers;
+// the key flags are double-buffered by the stage's use (tile >> 2). The scheduler's key tile
+// stays 64 keys (a step), so a piece with an odd number of 32-key tiles ends on A alone.
+constexpr int kRingKeys = 32;
+constexpr int kRingStages = 4;
+constexpr int kRingPanelBytes = kRingKeys * kPanelRowBytes;  // 4096
+constexpr int kRingStageBytes = kPanels * kRingPanelBytes;   // 36,864
+static_assert(kRingStages * kRingStageBytes == 2 * kTileBytes, "the ring fills the two stages");
+
+#if KMLA_SM90A
+constexpr uint32_t kDescHiSw32 = desc_hi(8 * 32, 3);  // P: 8-row groups of 32 B, swizzle 32 B
+
+// Byte offset of key k's value in row `row` of a ring P block (see above).
+__device__ __forceinline__ uint32_t ring_p_offset(int row, int key) {
+  return uint32_t((key >> 4) * 2048 + row * 32 + ((((key >> 3) & 1) ^ ((row >> 2) & 1)) << 4) +
+                  (key & 7) * 2);
+}
+
+// S of the ring tile at kt over panels [P0, P1), each panel waited for (mbarrier bar0 + 8 p,
+// parity) before its four k-steps of wgmma m64n32k16; Q panels are 8 KB apart, the tile's 4 KB.
+template <class T, int P0, int P1>
+__device__ __forceinline__ void issue_s_ring(float (&s)[16], uint32_t q_s, uint32_t kt,
+                                             uint32_t bar0, uint32_t parity) {
+  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
+#pragma unroll
+  for (int pn = P0; pn < P1; ++pn) {
+    mbar_wait(bar0 + 8 * pn, parity);
+    wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss_m64n32k16<T, false>(
+          s, make_desc_halves(q_lo + ((pn * kPanelBytes + kk * 32) >> 4), kDescHi),
+          make_desc_halves(k_lo + ((pn * kRingPanelBytes + kk * 32) >> 4), kDescHi),
+          pn > 0 || kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O half of warpgroup wg += P V over a ring tile: P from registers (p[4 kk .. 4 kk + 3] the
+// A fragment of keys 16 kk ..), or from a ring P block; V MN-major from the tile's panels
+// 4 wg .. 4 wg + 3 (4 KB apart, 16 keys = 2048 B per k-step).
+template <class T>
+__device__ __forceinline__ void issue_pv_ring_regs(float (&o)[128], const uint32_t (&p)[8],
+                                                   uint32_t kt, int wg) {
+  const uint32_t v_lo = desc_lo(kt + 4 * wg * kRingPanelBytes, kRingPanelBytes);
+#pragma unroll
+  for (int kk = 0; kk < kRingKeys / 16; ++kk)
+    wgmma_rs_m64n256k16<T, true>(
+        o, p + 4 * kk, make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
+  wgmma_commit();
+}
+template <class T>
+__device__ __forceinline__ void issue_pv_ring_smem(float (&o)[128], uint32_t p_s, uint32_t kt,
+                                                   int wg) {
+  const uint32_t p_lo = desc_lo(p_s, 16);
+  const uint32_t v_lo = desc_lo(kt + 4 * wg * kRingPanelBytes, kRingPanelBytes);
+#pragma unroll
+  for (int kk = 0; kk < kRingKeys / 16; ++kk)
+    wgmma_ss_m64n256k16<T, true>(
+        o, make_desc_halves(p_lo + ((kk * 2048) >> 4), kDescHiSw32),
+        make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
+  wgmma_commit();
+}
+#endif  // KMLA_SM90A
+
+template <class T>
+__device__ __forceinline__ void sm90_piece_ring(const DecodeArgs& a, const DecodeWork& work,
+                                                const KernelFlags& flags, const CUtensorMap& kmap) {
+#if KMLA_SM90A
+  __shared__ __align__(8) uint64_t bars[kRingStages * kPanels];  // [stage][panel] landed
+  __shared__ uint8_t fix_s[2][2][kRingStages];  // [half][use & 1][stage]: keys not ok
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  uint8_t* const smem = smem_raw + (base - raw_u32);
+  float* const row_m = reinterpret_cast<float*>(smem + kPOff);  // [64] running max
+  float* const scale_a = row_m + kRows;                         // [64] c_A
+  float* const scale_b = scale_a + kRows;                       // [64] c_B
+  // [half][use & 1][stage][32] key flags
+  uint8_t* const key_ok_all = smem + kPOff + 1024;
+  float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);  // [2][64]
+
+  const int r = work.r;
+  const int qlen = work.qlen, seq = work.seq, nrows = work.nrows, row0 = work.row0;
+  const int key0 = work.key0, key1 = work.key1;
+  if (piece_tiles(a, work) < 0) return;
+  const int ntiles = key1 > key0 ? (key1 - key0 + kRingKeys - 1) / kRingKeys : 0;  // 32-key
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
+  uint8_t* const key_ok = key_ok_all + wg * 2 * kRingStages * kRingKeys;
+
+  const uint32_t q_s = base + kQOff;
+  const int64_t out_row0 = load_q(a, work, q_s);
+  cp_async_commit();
+  if (tid == 0) {
+    for (int i = 0; i < kRingStages * kPanels; ++i) mbar_init(&bars[i], 1);
+    fence_mbarrier_init();
+  }
+  if (tid < kRows) row_m[tid] = kNegInf;
+  __syncthreads();
+  const uint32_t bar0 = smem_u32(bars);
+  auto stage_of = [](int tile) { return tile & (kRingStages - 1); };
+  auto stage_addr = [&](int tile) {
+    return base + kKOff + uint32_t(stage_of(tile) * kRingStageBytes);
+  };
+  auto stage_bars = [&](int tile) { return bar0 + 8u * uint32_t(stage_of(tile) * kPanels); };
+  auto use_of = [](int tile) { return (tile >> 2) & 1; };  // the stage's fills so far, mod 2
+
+  // ---- refills: the first warp of each warpgroup issues its half of a tile ----
+  const int group = flags.tma_keys;  // keys per bulk copy: 8, 16 or 32 (tma_keys_for)
+  if (group > kRingKeys) __trap();   // a 64-key box would overrun the 4 KB panels
+  const bool issuer = warp == 0;
+  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
+  auto fetch = [&](int tile) -> int {  // lane's block id for `tile`, read only if used
+    const int pos = key0 + tile * kRingKeys + group * lane;
+    return issuer && tile < ntiles && group * lane < kRingKeys && pos < key1
+               ? table[decode_block_of(a, pos)]
+               : -1;
+  };
+  // My panels of `tile`: V half 4 wg .. 4 wg + 3, and panel 8 where the other warpgroup's
+  // tile is (it holds that warpgroup's P, which I read last).
+  auto refill = [&](int tile, int block) {  // issuing warp only
+    const int stage = stage_of(tile), use = use_of(tile);
+    const int pos = key0 + tile * kRingKeys + group * lane;
+    const bool any = group * lane < kRingKeys && pos < key1;
+    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
+    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
+    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
+    const int k = lane;  // one flag per lane: 32 keys
+    const bool ok = (good_groups >> (k / group) & 1u) && key0 + tile * kRingKeys + k < key1;
+    key_ok[(use * kRingStages + stage) * kRingKeys + k] = ok;
+    const bool fix = !__all_sync(0xffffffffu, ok);
+    const int p0 = 4 * wg;
+    const bool with8 = (tile & 1) != wg;
+    uint64_t* const sb = &bars[stage * kPanels];
+    if (lane == 0) {
+      fix_s[wg][use][stage] = fix;
+      const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&sb[p0 + i], bytes);
+      if (with8) mbar_arrive_expect_tx(&sb[8], bytes);
+    }
+    __syncwarp();  // the bytes are announced before any copy can complete
+    if (good) {
+      const uint32_t dst = stage_addr(tile) + uint32_t(lane * group * kPanelRowBytes);
+      const int row = decode_row_in_block(a, pos);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        tma_load_3d(dst + (p0 + i) * kRingPanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
+                    &sb[p0 + i]);
+      if (with8) tma_load_3d(dst + 8 * kRingPanelBytes, &kmap, 8 * kPanelElems, row, block, &sb[8]);
+    }
+  };
+  // Zeroes my V half's rows of the keys not ok in `tile` (P is 0 there, but 0 x NaN is NaN),
+  // then makes the stores visible to my warpgroup's MMAs. Warpgroup-uniform.
+  auto fix_v = [&](int tile) {
+    const int stage = stage_of(tile), use = use_of(tile);
+    if (!fix_s[wg][use][stage]) return;
+    const int ti = tid & 127;
+    uint8_t* const st = smem + kKOff + stage * kRingStageBytes;
+    for (int i = ti; i < kRingKeys * 32; i += 128) {
+      const int key = i >> 5, c = 32 * wg + (i & 31);
+      if (!key_ok[(use * kRingStages + stage) * kRingKeys + key])
+        *reinterpret_cast<uint4*>(st + (c >> 3) * kRingPanelBytes + swizzle128(key, c & 7)) =
+            make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    if (wg)
+      named_bar_sync<6, 128>();
+    else
+      named_bar_sync<5, 128>();
+  };
+
+  int blk_a = -1, blk_b = -1;  // block ids of the next step's refills (issuing warp's lanes)
+  if (issuer) {
+    int blk[kRingStages];
+#pragma unroll
+    for (int i = 0; i < kRingStages; ++i) blk[i] = fetch(i);
+    blk_a = fetch(4);
+    blk_b = fetch(5);
+#pragma unroll
+    for (int i = 0; i < kRingStages; ++i)
+      if (i < ntiles) refill(i, blk[i]);
+  }
+
+  const int count_lo = decode_row_keys(a, qlen, seq, nrows, row0 + row_lo);
+  const int count_hi = decode_row_keys(a, qlen, seq, nrows, row0 + row_hi);
+  float l_lo = 0.0f, l_hi = 0.0f;  // my warpgroup's partial row sums, relative to row_m
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float s[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s[i] = 0.0f;  // defined before the first MMA reads it
+  const bool skip = flags.skip_rescale;
+
+  // Softmax of my tile's S in s (first key kpos0): masks, updates row_m, writes the rows'
+  // factor 2^(m_old - m_new) to `scale_out`, leaves p in s and returns the factors and the
+  // row sums of p.
+  auto softmax = [&](int tile, float* scale_out, float(&c)[2], float(&sum)[2]) {
+    const uint8_t* ok = key_ok + (use_of(tile) * kRingStages + stage_of(tile)) * kRingKeys + 2 * t;
+    const int kpos0 = key0 + tile * kRingKeys;
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * i + (e & 1);
+        const bool visible = ok[col] && kpos0 + 2 * t + col < (e < 2 ? count_lo : count_hi);
+        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
+      }
+      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    float mref[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float m_old = row_m[h ? row_hi : row_lo];
+      const float m_new = fmaxf(m_old, mx[h]);
+      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+      mref[h] = m_new == kNegInf ? 0.0f : m_new;
+      c[h] = fast_exp2(m_old - mref[h]);
+      mx[h] = m_new;
+    }
+    __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
+    if (t == 0) {
+      row_m[row_lo] = mx[0];
+      row_m[row_hi] = mx[1];
+      scale_out[row_lo] = c[0];
+      scale_out[row_hi] = c[1];
+    }
+    sum[0] = sum[1] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
+      sum[0] += s[4 * i] + s[4 * i + 1];
+      sum[1] += s[4 * i + 2] + s[4 * i + 3];
+    }
+  };
+  // My p values (rounded to T) into the P block at panel 8 of `tile`'s stage.
+  auto store_p_ring = [&](int tile) {
+    uint8_t* const p_s = smem + kKOff + stage_of(tile) * kRingStageBytes + 8 * kRingPanelBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + g + 8 * h;
+        *reinterpret_cast<uint32_t*>(p_s + ring_p_offset(row, 8 * i + 2 * t)) =
+            pack2<T>(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
+      }
+    fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
+  };
+  auto parity_of = [](int tile) { return uint32_t((tile >> 2) & 1); };
+
+  cp_async_wait_all();  // my copies of Q
+  fence_proxy_async();
+  __syncthreads();  // everyone's Q
+  // The first S of each warpgroup: tile 0 on warpgroup 0, tile 1 on warpgroup 1.
+  if (wg < ntiles) {
+    wgmma_fence();
+    issue_s_ring<T, 0, kPanels>(s, q_s, stage_addr(wg), stage_bars(wg), parity_of(wg));
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
+
+  for (int ta = 0; ta < ntiles; ta += 2) {
+    const int tb = ta + 1;
+    const bool has_b = tb < ntiles, next_a = ta + 2 < ntiles, next_b = tb + 2 < ntiles;
+    const bool refill_a = ta + 4 < ntiles, refill_b = tb + 4 < ntiles;
+    const uint32_t kt_a = stage_addr(ta), kt_b = stage_addr(tb);
+    float c[2], sum[2];
+    if (wg == 0) {
+      // ---- softmax A, P_A for warpgroup 1; O_L = O_L c_A + P_A V_AL ----
+      softmax(ta, scale_a, c, sum);
+      store_p_ring(ta);
+      named_bar_arrive<1, kThreads>();
+      l_lo = l_lo * c[0] + sum[0];
+      l_hi = l_hi * c[1] + sum[1];
+      rescale_o(o, c[0], c[1], skip);
+      uint32_t pr[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
+      fix_v(ta);
+      wgmma_fence();
+      issue_pv_ring_regs<T>(o, pr, kt_a, 0);
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(pr);  // the MMA read pr asynchronously: no reuse before the wait
+      if (issuer && refill_a) refill(ta + 4, blk_a);  // V_L of A's stage is free
+      // ---- O_L = O_L c_B + P_B V_BL; S of the next A under it ----
+      if (has_b) {
+        named_bar_sync<2, kThreads>();  // P_B, m_B and c_B are in
+        fix_v(tb);
+        const float cb[2] = {scale_b[row_lo], scale_b[row_hi]};
+        l_lo *= cb[0];
+        l_hi *= cb[1];
+        rescale_o(o, cb[0], cb[1], skip);
+        wgmma_fence();
+        issue_pv_ring_smem<T>(o, kt_b + 8 * kRingPanelBytes, kt_b, 0);
+      }
+      if (next_a) {  // (then B exists)
+        const uint32_t kt_n = stage_addr(ta + 2), bars_n = stage_bars(ta + 2);
+        wgmma_fence();
+        issue_s_ring<T, 0, 4>(s, q_s, kt_n, bars_n, parity_of(ta + 2));
+        wgmma_wait<1>();  // P_B V_BL: V_L and panel 8 (P_B) of B's stage are free
+        fence_regs(o);
+        if (issuer && refill_b) refill(tb + 4, blk_b);
+        issue_s_ring<T, 4, kPanels>(s, q_s, kt_n, bars_n, parity_of(ta + 2));
+      }
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(s);
+    } else {
+      // ---- O_R = O_R c_A + P_A V_AR, with the softmax of B under it ----
+      named_bar_sync<1, kThreads>();
+      const float ca[2] = {scale_a[row_lo], scale_a[row_hi]};
+      rescale_o(o, ca[0], ca[1], skip);
+      fix_v(ta);
+      wgmma_fence();
+      issue_pv_ring_smem<T>(o, kt_a + 8 * kRingPanelBytes, kt_a, 1);
+      uint32_t pr[8];
+      if (has_b) {
+        softmax(tb, scale_b, c, sum);
+        store_p_ring(tb);
+        named_bar_arrive<2, kThreads>();
+#pragma unroll
+        for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
+      }
+      wgmma_wait<0>();  // P_A V_AR: V_R and panel 8 (P_A) of A's stage are free
+      fence_regs(o);
+      if (issuer && refill_a) refill(ta + 4, blk_a);
+      // ---- O_R = O_R c_B + P_B V_BR ----
+      l_lo *= ca[0];
+      l_hi *= ca[1];
+      if (has_b) {
+        l_lo = l_lo * c[0] + sum[0];
+        l_hi = l_hi * c[1] + sum[1];
+        rescale_o(o, c[0], c[1], skip);
+        fix_v(tb);
+        wgmma_fence();
+        issue_pv_ring_regs<T>(o, pr, kt_b, 1);
+        wgmma_wait<0>();  // V_R of B's stage is free
+        fence_regs(o);
+        fence_regs(pr);
+        if (issuer && refill_b) refill(tb + 4, blk_b);
+      }
+      if (next_b) {
+        wgmma_fence();
+        issue_s_ring<T, 0, kPanels>(s, q_s, stage_addr(tb + 2), stage_bars(tb + 2),
+                                    parity_of(tb + 2));
+        wgmma_wait<0>();
+        fence_regs(s);
+      }
+    }
+    if (issuer) {  // the next step's block ids, off this step's path
+      blk_a = fetch(ta + 6);
+      blk_b = fetch(tb + 6);
+    }
+  }
+
+  // ---- finish: both warpgroups' row sums, normalise, write ----
+  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before finish_rows' barrier
+  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_lo, l_hi, red_sum);
+  if (tid == 0)  // every wait on the mbarriers of this piece is behind finish_rows' barrier
+    for (int i = 0; i < kRingStages * kPanels; ++i) mbar_inval(&bars[i]);
+#else
+  (void)a, (void)work, (void)flags, (void)kmap;
+  __trap();
+#endif
+}
+
 // One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
 // the other.
-// kForm: 0 the S halves, 1 the wide S (both sm90_piece), 2 the seesaw (TMA copies only).
+// kForm: 0 the S halves, 1 the wide S (both sm90_piece), 2 the seesaw, 3 the seesaw on the
+// four-stage ring (TMA copies only).
 template <class T, int kForm>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
   for_each_decode_work<kRows, kKeys>(a, [&](const DecodeWork& w) {
-    if constexpr (kForm == 2)
+    if constexpr (kForm == 3)
+      sm90_piece_ring<T>(a, w, flags, kmap);
+    else if constexpr (kForm == 2)
       sm90_piece_seesaw<T>(a, w, flags, kmap);
     else
       sm90_piece<T, kForm == 1>(a, w, flags, kmap);
@@ -1087,6 +1481,7 @@ DecodeSm90Options& current_options() {
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     o.seesaw = env_switch("KMLA_DECODE_SM90_SEESAW", o.seesaw);
     o.seesaw_late_b = env_switch("KMLA_DECODE_SM90_SEESAW_LATE_B", o.seesaw_late_b);
+    o.seesaw_ring = env_switch("KMLA_DECODE_SM90_SEESAW_RING", o.seesaw_ring);
     return o;
   }();
   return opt;
@@ -1107,10 +1502,11 @@ int profile_mode() {
   return mode;
 }
 
-// The key-group size of the TMA copies for this cache: the largest of 64, 32, 16, 8 keys that
-// divides the block size (a group then never crosses a block), 0 if none does (cp.async).
-int tma_group_keys(int block_size) {
-  for (int g = kKeys; g >= 8; g /= 2)
+// The key-group size of the TMA copies for this cache: the largest of max_keys (64 or 32), ...,
+// 16, 8 keys that divides the block size (a group then never crosses a block), 0 if none does
+// (cp.async).
+int tma_group_keys(int block_size, int max_keys) {
+  for (int g = max_keys; g >= 8; g /= 2)
     if (block_size % g == 0) return g;
   return 0;
 }
@@ -1137,8 +1533,11 @@ bool cache_tensor_map(const DecodeArgs& a, DType act, int group, CUtensorMap& ma
 }
 
 // The key-group size the launch copies with (0: cp.async), and the tensor map for it.
+// The ring form's stages are 32 keys, so its groups are at most 32.
 int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map) {
-  const int group = current_options().tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
+  const DecodeSm90Options& o = current_options();
+  const int max_keys = o.seesaw_ring && profile_mode() == 0 ? kRingKeys : kKeys;
+  const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size, max_keys) : 0;
   return group > 0 && cache_tensor_map(a, act, group, map) ? group : 0;
 }
 
@@ -1175,10 +1574,12 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     const DecodeSm90Options& o = current_options();
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
-    // The seesaw needs the bulk copies; the profile modes time the two-stage forms.
-    auto* kernel = o.seesaw && group > 0 && profile_mode() == 0 ? decode_sm90_kernel<T, 2>
-                   : o.wide_s                                   ? decode_sm90_kernel<T, 1>
-                                                                : decode_sm90_kernel<T, 0>;
+    // The seesaw forms need the bulk copies; the profile modes time the two-stage forms.
+    const bool seesaw = group > 0 && profile_mode() == 0;
+    auto* kernel = seesaw && o.seesaw_ring ? decode_sm90_kernel<T, 3>
+                   : seesaw && o.seesaw    ? decode_sm90_kernel<T, 2>
+                   : o.wide_s              ? decode_sm90_kernel<T, 1>
+                                           : decode_sm90_kernel<T, 0>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(

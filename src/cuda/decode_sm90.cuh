@@ -50,6 +50,10 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //                                      at the start of its step instead of the end of the
 //                                      step before, giving stage 1's copies longer to land
 //                                      (default 0; not measured yet)
+//   KMLA_DECODE_SM90_SEESAW_RING=0|1   the seesaw on a ring of four 32-key stages (the same
+//                                      shared memory): a stage is refilled a whole step
+//                                      before it is read again (TMA only; takes precedence
+//                                      over SEESAW; default 0: not run on a GPU yet)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -59,6 +63,7 @@ struct DecodeSm90Options {
   bool early_issue = true;
   bool seesaw = false;
   bool seesaw_late_b = false;
+  bool seesaw_ring = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

@@ -46,6 +46,9 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     variants.push_back({"tma, seesaw", {.seesaw = true}});
     variants.push_back({"tma, seesaw, late S of B, no rescale skip",
                         {.skip_rescale = false, .seesaw = true, .seesaw_late_b = true}});
+    variants.push_back({"tma, seesaw on the four-stage ring", {.seesaw_ring = true}});
+    variants.push_back(
+        {"tma, seesaw ring, no rescale skip", {.skip_rescale = false, .seesaw_ring = true}});
     variants.push_back(
         {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
     variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
@@ -59,8 +62,8 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     hooks.check_plan = [&](const DecodeParams& p, const DecodePlan& plan) {
       if (!expect_sm90()) return;
       EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
-      int want = 0;  // the largest of 64, 32, 16, 8 keys dividing the block size
-      for (int g = 64; v.opt.tma && g >= 8 && want == 0; g /= 2)
+      int want = 0;  // the largest of 64 (ring: 32), 32, 16, 8 keys dividing the block size
+      for (int g = v.opt.seesaw_ring ? 32 : 64; v.opt.tma && g >= 8 && want == 0; g /= 2)
         if (p.cache.block_size % g == 0) want = g;
       EXPECT_EQ(decode_sm90_tma_keys(p), want) << v.name;
     };
