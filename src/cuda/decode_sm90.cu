@@ -641,6 +641,61 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 #endif
 }
 
+#if KMLA_SM90A
+// The seesaw forms' softmax of one warpgroup's S tile of NG 8-key groups (s: the m64n(8 NG)
+// accumulators; this thread's rows row_lo, row_hi = row_lo + 8 and keys 8 i + 2 t (+ 1)),
+// shared through row_m: masks (ok: the tile's key flags + 2 t; kpos: first key + 2 t; count_*:
+// the rows' visible keys), updates row_m, writes the rows' factor 2^(m_old - m_new) to
+// scale_out, leaves p in s and returns the factors in c and the row sums of p in sum.
+template <int NG>
+__device__ __forceinline__ void seesaw_softmax(float (&s)[4 * NG], const uint8_t* ok, int kpos,
+                                               int count_lo, int count_hi, float score_scale,
+                                               float* row_m, int row_lo, int t, float* scale_out,
+                                               float (&c)[2], float (&sum)[2]) {
+  const int row_hi = row_lo + 8;
+  float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+  for (int i = 0; i < NG; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 8 * i + (e & 1);
+      const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
+      s[4 * i + e] = visible ? s[4 * i + e] * score_scale : kNegInf;
+    }
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  float mref[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float m_old = row_m[h ? row_hi : row_lo];
+    const float m_new = fmaxf(m_old, mx[h]);
+    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
+    mref[h] = m_new == kNegInf ? 0.0f : m_new;
+    c[h] = fast_exp2(m_old - mref[h]);
+    mx[h] = m_new;
+  }
+  __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
+  if (t == 0) {
+    row_m[row_lo] = mx[0];
+    row_m[row_hi] = mx[1];
+    scale_out[row_lo] = c[0];
+    scale_out[row_hi] = c[1];
+  }
+  sum[0] = sum[1] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NG; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
+    sum[0] += s[4 * i] + s[4 * i + 1];
+    sum[1] += s[4 * i + 2] + s[4 * i + 3];
+  }
+}
+
+#endif  // KMLA_SM90A
+
 // ---- the seesaw form -----------------------------------------------------------------
 // Two key tiles per step, A (even, stage 0) and B (odd, stage 1), and one running max m per
 // row shared through shared memory; warpgroup 0 owns O's columns 0-255 (O_L), warpgroup 1
@@ -802,51 +857,11 @@ __device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const Dec
   const uint32_t p_a = kt0 + 8 * kPanelBytes, p_b = kt1 + 8 * kPanelBytes;  // P panels
   const bool skip = flags.skip_rescale;
 
-  // Softmax of my tile's S in s (stage `stage`, first key kpos0): masks, updates row_m,
-  // writes the rows' factor 2^(m_old - m_new) to `scale_out`, leaves p in s and returns
-  // the factors and the row sums of p.
+  // Softmax of my tile's S in s (stage `stage`, first key kpos0), seesaw_softmax.
   auto softmax = [&](int stage, int use, int kpos0, float* scale_out, float(&c)[2],
                      float(&sum)[2]) {
-    const uint8_t* ok = key_ok + (use * 2 + stage) * kKeys + 2 * t;
-    float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * i + (e & 1);
-        const bool visible = ok[col] && kpos0 + 2 * t + col < (e < 2 ? count_lo : count_hi);
-        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
-      }
-      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    float mref[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      const float m_old = row_m[h ? row_hi : row_lo];
-      const float m_new = fmaxf(m_old, mx[h]);
-      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-      mref[h] = m_new == kNegInf ? 0.0f : m_new;
-      c[h] = fast_exp2(m_old - mref[h]);
-      mx[h] = m_new;
-    }
-    __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
-    if (t == 0) {
-      row_m[row_lo] = mx[0];
-      row_m[row_hi] = mx[1];
-      scale_out[row_lo] = c[0];
-      scale_out[row_hi] = c[1];
-    }
-    sum[0] = sum[1] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
-      sum[0] += s[4 * i] + s[4 * i + 1];
-      sum[1] += s[4 * i + 2] + s[4 * i + 3];
-    }
+    seesaw_softmax<8>(s, key_ok + (use * 2 + stage) * kKeys + 2 * t, kpos0 + 2 * t, count_lo,
+                      count_hi, a.score_scale_log2, row_m, row_lo, t, scale_out, c, sum);
   };
 
   cp_async_wait_all();  // my copies of Q
@@ -1193,51 +1208,11 @@ __device__ __forceinline__ void sm90_piece_ring(const DecodeArgs& a, const Decod
   for (int i = 0; i < 16; ++i) s[i] = 0.0f;  // defined before the first MMA reads it
   const bool skip = flags.skip_rescale;
 
-  // Softmax of my tile's S in s (first key kpos0): masks, updates row_m, writes the rows'
-  // factor 2^(m_old - m_new) to `scale_out`, leaves p in s and returns the factors and the
-  // row sums of p.
+  // Softmax of my tile's S in s, seesaw_softmax.
   auto softmax = [&](int tile, float* scale_out, float(&c)[2], float(&sum)[2]) {
     const uint8_t* ok = key_ok + (use_of(tile) * kRingStages + stage_of(tile)) * kRingKeys + 2 * t;
-    const int kpos0 = key0 + tile * kRingKeys;
-    float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * i + (e & 1);
-        const bool visible = ok[col] && kpos0 + 2 * t + col < (e < 2 ? count_lo : count_hi);
-        s[4 * i + e] = visible ? s[4 * i + e] * a.score_scale_log2 : kNegInf;
-      }
-      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    float mref[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      const float m_old = row_m[h ? row_hi : row_lo];
-      const float m_new = fmaxf(m_old, mx[h]);
-      // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-      mref[h] = m_new == kNegInf ? 0.0f : m_new;
-      c[h] = fast_exp2(m_old - mref[h]);
-      mx[h] = m_new;
-    }
-    __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
-    if (t == 0) {
-      row_m[row_lo] = mx[0];
-      row_m[row_hi] = mx[1];
-      scale_out[row_lo] = c[0];
-      scale_out[row_hi] = c[1];
-    }
-    sum[0] = sum[1] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
-      sum[0] += s[4 * i] + s[4 * i + 1];
-      sum[1] += s[4 * i + 2] + s[4 * i + 3];
-    }
+    seesaw_softmax<4>(s, ok, key0 + tile * kRingKeys + 2 * t, count_lo, count_hi,
+                      a.score_scale_log2, row_m, row_lo, t, scale_out, c, sum);
   };
   // My p values (rounded to T) into the P block at panel 8 of `tile`'s stage.
   auto store_p_ring = [&](int tile) {
