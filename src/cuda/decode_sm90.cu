@@ -1030,14 +1030,17 @@ __device__ __forceinline__ uint32_t ring_p_offset(int row, int key) {
 
 // S of the ring tile at kt over panels [P0, P1), each panel waited for (mbarrier bar0 + 8 p,
 // parity) before its four k-steps of wgmma m64n32k16; Q panels are 8 KB apart, the tile's 4 KB.
-template <class T, int P0, int P1>
+// kWait = false (the building-block probe): no copies to wait for.
+template <class T, int P0, int P1, bool kWait = true>
 __device__ __forceinline__ void issue_s_ring(float (&s)[16], uint32_t q_s, uint32_t kt,
                                              uint32_t bar0, uint32_t parity) {
   const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
 #pragma unroll
   for (int pn = P0; pn < P1; ++pn) {
-    mbar_wait(bar0 + 8 * pn, parity);
-    wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
+    if constexpr (kWait) {
+      mbar_wait(bar0 + 8 * pn, parity);
+      wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
+    }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_ss_m64n32k16<T, false>(
@@ -1429,6 +1432,92 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// The ring form's building blocks (decode_sm90_probe with ring): k rows 0..31 as one ring
+// stage, S (64 x 32) through issue_s_ring on both warpgroups (warpgroup 0's written out), P
+// (rounded to T) as warpgroup 0's register fragments for O's columns 0-255 and, through the
+// 32-byte-swizzled P block in panel 8, for warpgroup 1's columns 256-511.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_ring_probe_kernel(const T* q, const T* k, const float* p_in, float* s_out,
+                                  float* o_out) {
+#if KMLA_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  uint8_t* const smem = smem_raw + (base - raw_u32);
+  const uint32_t q_s = base, kt = base + kTileBytes;
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < kRows * kRowChunks; i += kThreads) {
+    const int row = i / kRowChunks, c = i % kRowChunks;
+    cp_async16(q_s + tile_offset(row, c), q + row * kLatentDim + c * 8, true);
+    if (row < kRingKeys)
+      cp_async16(kt + (c >> 3) * kRingPanelBytes + swizzle128(row, c & 7),
+                 k + row * kLatentDim + c * 8, true);
+  }
+  cp_async_commit();
+  cp_async_wait_all();
+  fence_proxy_async();
+  __syncthreads();
+
+  float s[16];
+  wgmma_fence();
+  issue_s_ring<T, 0, kPanels, false>(s, q_s, kt, 0, 0);
+  wgmma_wait<0>();
+  fence_regs(s);
+  float p[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e >> 1), key = 8 * i + 2 * t + (e & 1);
+      if (wg == 0) s_out[row * kRingKeys + key] = s[4 * i + e];
+      p[4 * i + e] = p_in[row * kRingKeys + key];
+    }
+  }
+  __syncthreads();  // both warpgroups' S have read panel 8 before P overwrites it
+  uint8_t* const p_blk = smem + kTileBytes + 8 * kRingPanelBytes;
+  if (wg == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + g + 8 * h;
+        *reinterpret_cast<uint32_t*>(p_blk + ring_p_offset(row, 8 * i + 2 * t)) =
+            pack2<T>(p[4 * i + 2 * h], p[4 * i + 2 * h + 1]);
+      }
+    fence_proxy_async();
+  }
+  __syncthreads();
+  uint32_t pr[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(p[2 * j], p[2 * j + 1]);
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  fence_regs(o);
+  wgmma_fence();
+  if (wg == 0)
+    issue_pv_ring_regs<T>(o, pr, kt, 0);
+  else
+    issue_pv_ring_smem<T>(o, kt + 8 * kRingPanelBytes, kt, 1);
+  wgmma_wait<0>();
+  fence_regs(o);
+  fence_regs(pr);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e >> 1), col = kHalfCols * wg + 8 * i + 2 * t + (e & 1);
+      o_out[row * kKvLoraRank + col] = o[4 * i + e];
+    }
+  }
+#else
+  (void)q, (void)k, (void)p_in, (void)s_out, (void)o_out;
+  __trap();
+#endif
+}
+
 // Whether the wgmma kernel can run on `device` (sm90a_kernel_runs_on, asked once per device).
 bool sm90_kernel_runs_on(int device) {
   static std::atomic<int> answers[kMaxSm90Devices] = {};
@@ -1569,11 +1658,11 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
 }
 
 void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
-                       float* o_out, cudaStream_t stream) {
+                       float* o_out, cudaStream_t stream, bool ring) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16,
              "decode_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
   dispatch_act(act, [&]<class T>() {
-    auto* kernel = decode_sm90_probe_kernel<T>;
+    auto* kernel = ring ? decode_sm90_ring_probe_kernel<T> : decode_sm90_probe_kernel<T>;
     KMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          kProbeSmemAlloc));
     kernel<<<1, kThreads, kProbeSmemAlloc, stream>>>(static_cast<const T*>(q),

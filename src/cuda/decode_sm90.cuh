@@ -81,8 +81,10 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
 // Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
 // in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's
 // two 32-key halves) and o_out [64, 512] = round_act(p) k[:, :512] (fp32), both through the
-// kernel's swizzled layouts, descriptors and accumulator mappings.
+// kernel's swizzled layouts, descriptors and accumulator mappings. With `ring`, the same for
+// the ring form's 32-key tile (the first 32 rows of k): p, s_out [64, 32], O's columns 0-255
+// from P in registers and 256-511 from its 32-byte-swizzled shared-memory block.
 void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
-                       float* o_out, cudaStream_t stream);
+                       float* o_out, cudaStream_t stream, bool ring = false);
 
 }  // namespace kmla::cuda

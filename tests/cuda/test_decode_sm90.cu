@@ -252,62 +252,67 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
 TEST(CudaDecodeSm90, ProbeBuildingBlocks) {
   KMLA_REQUIRE_GPU();
   if (!expect_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  for (DType act : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(dtype_name(act));
-    std::mt19937_64 rng(act == DType::bf16 ? 21 : 22);
-    std::uniform_real_distribution<float> uni(-1.0f, 1.0f), unit(0.0f, 1.0f);
-    const auto to_act = [&](float x) {
-      return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
-    };
-    std::vector<uint16_t> q(64 * kLatentDim), k(64 * kLatentDim);
-    std::vector<float> qf(q.size()), kf(k.size()), p(64 * 64), pr(p.size());
-    for (size_t i = 0; i < q.size(); ++i) {
-      q[i] = to_act(uni(rng));
-      k[i] = to_act(uni(rng));
-      qf[i] = act_to_float(act, q[i]);
-      kf[i] = act_to_float(act, k[i]);
-    }
-    for (size_t i = 0; i < p.size(); ++i) {
-      p[i] = unit(rng);
-      pr[i] = act_to_float(act, to_act(p[i]));  // the kernel rounds P to act
-    }
-    DevBuf<uint16_t> d_q(q), d_k(k);
-    DevBuf<float> d_p(p), d_s(64 * 64), d_o(64 * kKvLoraRank);
-    d_s.fill_bytes(0xFF);
-    d_o.fill_bytes(0xFF);
-    decode_sm90_probe(act, d_q.ptr, d_k.ptr, d_p.ptr, d_s.ptr, d_o.ptr, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<float> s = d_s.download(), o = d_o.download();
-    int bad = 0;
-    for (int i = 0; i < 64; ++i) {
-      for (int j = 0; j < 64; ++j) {
-        double ref = 0.0, mag = 0.0;
-        for (int d = 0; d < kLatentDim; ++d) {
-          ref += double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d];
-          mag += std::fabs(double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d]);
-        }
-        // fp32 accumulation of 576 exact products: a few 2^-24 of the magnitude sum; 1e-4
-        // leaves room for the tensor cores' internal alignment and order, and is still ~100x
-        // below what one misplaced 8-element chunk or row changes.
-        const float got = s[i * 64 + j];
-        if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 5)
-          ADD_FAILURE() << "S[" << i << "][" << j << "] = " << got << ", want " << ref;
+  // The two-stage forms' 64-key tile, and the ring form's 32-key tile (its P V from registers
+  // for O's columns 0-255 and from the 32-byte-swizzled P block for 256-511).
+  for (const bool ring : {false, true})
+    for (DType act : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(act) << (ring ? ", ring" : ""));
+      const int keys = ring ? 32 : 64;
+      std::mt19937_64 rng(act == DType::bf16 ? 21 : 22);
+      std::uniform_real_distribution<float> uni(-1.0f, 1.0f), unit(0.0f, 1.0f);
+      const auto to_act = [&](float x) {
+        return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
+      };
+      std::vector<uint16_t> q(64 * kLatentDim), k(64 * kLatentDim);
+      std::vector<float> qf(q.size()), kf(k.size()), p(size_t(64 * keys)), pr(p.size());
+      for (size_t i = 0; i < q.size(); ++i) {
+        q[i] = to_act(uni(rng));
+        k[i] = to_act(uni(rng));
+        qf[i] = act_to_float(act, q[i]);
+        kf[i] = act_to_float(act, k[i]);
       }
-    }
-    for (int i = 0; i < 64; ++i) {
-      for (int c = 0; c < kKvLoraRank; ++c) {
-        double ref = 0.0, mag = 0.0;
-        for (int j = 0; j < 64; ++j) {
-          ref += double(pr[i * 64 + j]) * kf[j * kLatentDim + c];
-          mag += std::fabs(double(pr[i * 64 + j]) * kf[j * kLatentDim + c]);
-        }
-        const float got = o[i * kKvLoraRank + c];  // same fp32 accumulation bound as S
-        if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
-          ADD_FAILURE() << "O[" << i << "][" << c << "] = " << got << ", want " << ref;
+      for (size_t i = 0; i < p.size(); ++i) {
+        p[i] = unit(rng);
+        pr[i] = act_to_float(act, to_act(p[i]));  // the kernel rounds P to act
       }
+      DevBuf<uint16_t> d_q(q), d_k(k);
+      DevBuf<float> d_p(p), d_s(size_t(64 * keys)), d_o(64 * kKvLoraRank);
+      d_s.fill_bytes(0xFF);
+      d_o.fill_bytes(0xFF);
+      decode_sm90_probe(act, d_q.ptr, d_k.ptr, d_p.ptr, d_s.ptr, d_o.ptr, nullptr, ring);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> s = d_s.download(), o = d_o.download();
+      int bad = 0;
+      for (int i = 0; i < 64; ++i) {
+        for (int j = 0; j < keys; ++j) {
+          double ref = 0.0, mag = 0.0;
+          for (int d = 0; d < kLatentDim; ++d) {
+            ref += double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d];
+            mag += std::fabs(double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d]);
+          }
+          // fp32 accumulation of 576 exact products: a few 2^-24 of the magnitude sum; 1e-4
+          // leaves room for the tensor cores' internal alignment and order, and is still ~100x
+          // below what one misplaced 8-element chunk or row changes.
+          const float got = s[i * keys + j];
+          if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 5)
+            ADD_FAILURE() << "S[" << i << "][" << j << "] = " << got << ", want " << ref;
+        }
+      }
+      for (int i = 0; i < 64; ++i) {
+        for (int c = 0; c < kKvLoraRank; ++c) {
+          double ref = 0.0, mag = 0.0;
+          for (int j = 0; j < keys; ++j) {
+            ref += double(pr[i * keys + j]) * kf[j * kLatentDim + c];
+            mag += std::fabs(double(pr[i * keys + j]) * kf[j * kLatentDim + c]);
+          }
+          const float got = o[i * kKvLoraRank + c];  // same fp32 accumulation bound as S
+          if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
+            ADD_FAILURE() << "O[" << i << "][" << c << "] = " << got << ", want " << ref
+                          << (c < 256 ? "" : " (P from shared memory)");
+        }
+      }
+      EXPECT_EQ(bad, 0);
     }
-    EXPECT_EQ(bad, 0);
-  }
 }
 
 }  // namespace
