@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/decode_sm90.cuh"
@@ -283,34 +284,29 @@ TEST(CudaDecodeSm90, ProbeBuildingBlocks) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> s = d_s.download(), o = d_o.download();
       int bad = 0;
-      for (int i = 0; i < 64; ++i) {
-        for (int j = 0; j < keys; ++j) {
-          double ref = 0.0, mag = 0.0;
-          for (int d = 0; d < kLatentDim; ++d) {
-            ref += double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d];
-            mag += std::fabs(double(qf[i * kLatentDim + d]) * kf[j * kLatentDim + d]);
-          }
-          // fp32 accumulation of 576 exact products: a few 2^-24 of the magnitude sum; 1e-4
-          // leaves room for the tensor cores' internal alignment and order, and is still ~100x
-          // below what one misplaced 8-element chunk or row changes.
-          const float got = s[i * keys + j];
-          if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 5)
-            ADD_FAILURE() << "S[" << i << "][" << j << "] = " << got << ", want " << ref;
+      // got against sum_x a[x * sa] b[x * sb] over n terms in fp64: fp32 accumulation of exact
+      // products is off by a few 2^-24 of the magnitude sum; 1e-4 leaves room for the tensor
+      // cores' internal alignment and order, and is still ~100x below what one misplaced
+      // 8-element chunk or row changes.
+      auto check = [&](float got, const float* x, int sx, const float* y, int sy, int n,
+                       const std::string& what) {
+        double ref = 0.0, mag = 0.0;
+        for (int d = 0; d < n; ++d) {
+          ref += double(x[d * sx]) * y[d * sy];
+          mag += std::fabs(double(x[d * sx]) * y[d * sy]);
         }
-      }
-      for (int i = 0; i < 64; ++i) {
-        for (int c = 0; c < kKvLoraRank; ++c) {
-          double ref = 0.0, mag = 0.0;
-          for (int j = 0; j < keys; ++j) {
-            ref += double(pr[i * keys + j]) * kf[j * kLatentDim + c];
-            mag += std::fabs(double(pr[i * keys + j]) * kf[j * kLatentDim + c]);
-          }
-          const float got = o[i * kKvLoraRank + c];  // same fp32 accumulation bound as S
-          if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
-            ADD_FAILURE() << "O[" << i << "][" << c << "] = " << got << ", want " << ref
-                          << (c < 256 ? "" : " (P from shared memory)");
-        }
-      }
+        if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
+          ADD_FAILURE() << what << " = " << got << ", want " << ref;
+      };
+      for (int i = 0; i < 64; ++i)
+        for (int j = 0; j < keys; ++j)
+          check(s[i * keys + j], &qf[i * kLatentDim], 1, &kf[j * kLatentDim], 1, kLatentDim,
+                "S[" + std::to_string(i) + "][" + std::to_string(j) + "]");
+      for (int i = 0; i < 64; ++i)
+        for (int c = 0; c < kKvLoraRank; ++c)
+          check(o[i * kKvLoraRank + c], &pr[i * keys], 1, &kf[c], kLatentDim, keys,
+                "O[" + std::to_string(i) + "][" + std::to_string(c) + "]" +
+                    (c < 256 ? "" : " (P from shared memory)"));
       EXPECT_EQ(bad, 0);
     }
 }
