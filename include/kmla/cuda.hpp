@@ -89,6 +89,10 @@ struct LayerOptions {
   // own (fp8 weights; 16-bit ones are part of the front GEMM) runs concurrently with attention
   // for batches below kAuxStreamMaxRows rows. nullptr: one stream.
   Stream aux_stream = nullptr;
+  // forward() runs as tune() (Layer::tune): a GEMM shape new to the device is tuned on first
+  // use, and that call synchronizes; later calls of known shapes cost what run() costs.
+  // run() and capture are unaffected (call tune() yourself before capturing).
+  bool tune_gemms = false;
 };
 
 // Batches with fewer rows than this run g_proj on the auxiliary stream (fp8 weights; measured:

@@ -224,15 +224,17 @@ class MlaLayer:
     planned with ``plan_batch`` (rows in the metadata's layout; padding rows get zeros) and
     writes the new tokens' latents into ``cache``. NumPy float32 in -> NumPy float32 out;
     torch bf16/f16 in -> torch out (on the tensors' device, on torch's current stream).
+    On the GPU, ``tune_gemms=True`` makes a forward that meets a new projection shape first
+    time cuBLASLt's candidate algorithms for it and keep the fastest (that call synchronizes).
     """
 
     def __init__(self, config: MlaConfig, weights: MlaWeights, *, activation="bf16",
                  fp8_prefill=False, partial_output=None, device="cpu", num_threads=0,
-                 portable=False, rope_rows=0):
+                 portable=False, rope_rows=0, tune_gemms=False):
         if partial_output is None:
             partial_output = config.tp_size > 1
         self._impl = _kmla.Layer(config, weights, activation, fp8_prefill, partial_output,
-                                 str(device), num_threads, portable, rope_rows)
+                                 str(device), num_threads, portable, rope_rows, tune_gemms)
         self.handle = next(_handles)
         self._rope_tensor = None
         self._graph_keepalive = []

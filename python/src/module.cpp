@@ -462,7 +462,7 @@ struct PyLayer {
 std::shared_ptr<PyLayer> make_layer(const MlaConfig& cfg, const MlaWeights& w,
                                     const std::string& activation, bool fp8_prefill,
                                     bool partial_output, const std::string& device, int num_threads,
-                                    bool portable, int64_t rope_rows) {
+                                    bool portable, int64_t rope_rows, bool tune_gemms) {
   auto l = std::make_shared<PyLayer>();
   l->cfg = cfg;
   l->weights = std::make_shared<const MlaWeights>(w);
@@ -486,6 +486,7 @@ std::shared_ptr<PyLayer> make_layer(const MlaConfig& cfg, const MlaWeights& w,
   o.fp8_prefill = fp8_prefill;
   o.partial_output = partial_output;
   o.portable = portable;
+  o.tune_gemms = tune_gemms;
   l->gpu = std::make_unique<cuda::Layer>(cfg, w, o, l->rope);
   return l;
 #else
@@ -974,7 +975,7 @@ PYBIND11_MODULE(_kmla, m) {
       .def(py::init(&make_layer), py::arg("config"), py::arg("weights"),
            py::arg("activation") = "bf16", py::arg("fp8_prefill") = false,
            py::arg("partial_output") = false, py::arg("device") = "cpu", py::arg("num_threads") = 0,
-           py::arg("portable") = false, py::arg("rope_rows") = 0)
+           py::arg("portable") = false, py::arg("rope_rows") = 0, py::arg("tune_gemms") = false)
       .def_property_readonly("config", [](const PyLayer& l) { return l.cfg; })
       .def_property_readonly(
           "weights", [](const PyLayer& l) { return std::make_shared<MlaWeights>(*l.weights); },

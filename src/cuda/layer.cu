@@ -916,7 +916,10 @@ void Layer::forward(const TensorView& positions, const TensorView& hidden, const
     impl_->owned_workspace = DeviceBuffer(p.workspace_bytes());
   }
   upload(p, impl_->owned_workspace.data(), stream);
-  run(p, positions, hidden, cache, out, impl_->owned_workspace.data(), stream);
+  if (impl_->options.tune_gemms)
+    tune(p, positions, hidden, cache, out, impl_->owned_workspace.data(), stream);
+  else
+    run(p, positions, hidden, cache, out, impl_->owned_workspace.data(), stream);
 }
 
 int* Layer::error_flag() const { return static_cast<int*>(impl_->error_flag.data()); }

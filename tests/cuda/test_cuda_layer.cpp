@@ -172,7 +172,9 @@ void decode_step_replays_other_batches(bool fp8_weights, bool tuned = false) {
     EXPECT_THROW(layer.tune(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st), Error);
     cudaGraph_t none = nullptr;
     CUDA_OK(cudaStreamEndCapture(s, &none));
-    if (none) CUDA_OK(cudaGraphDestroy(none));
+    if (none) {
+      CUDA_OK(cudaGraphDestroy(none));
+    }
     reset_cache();
     layer.tune(plan_a, in_a.pv, in_a.hv, dc.cache, in_a.ov, ws.data(), st);
     CUDA_OK(cudaStreamSynchronize(s));
@@ -231,6 +233,35 @@ TEST(CudaGraph, DecodeStepReplaysOtherBatchesFp8Weights) {
 TEST(CudaGraph, DecodeStepReplaysOtherBatchesTuned) {
   REQUIRE_GPU();
   decode_step_replays_other_batches(false, true);
+}
+
+// LayerOptions::tune_gemms: forward() tunes each GEMM shape it meets first (Layer::tune) before
+// running it, so its first call and a second one run the same algorithms (equal bits, the
+// cache restored in between) and both pass the oracle.
+TEST(CudaLayer, ForwardTunesGemmsWhenAsked) {
+  REQUIRE_GPU();
+  const Case c = verify::mixed_case("kimi-k3", CacheFormat::bf16, 16, 52, 3);
+  const verify::Inputs in = verify::make_inputs(c);
+  cuda::LayerOptions lo;
+  lo.tune_gemms = true;
+  cuda::Layer layer(c.config, in.weights, lo);
+  const CacheGeometry& geo = in.cache.geometry();
+  cuda::DeviceCache dc = cuda::DeviceCache::allocate(geo.format, geo.block_size, geo.num_blocks);
+  const int64_t cache_bytes = geo.block_stride * geo.num_blocks;
+  const TensorView dev_bytes = dc.memory.view(DType::u8, {cache_bytes});
+  DeviceInputs d(in.hidden, in.positions, nullptr);
+  HostTensor first(DType::bf16, {in.md.num_rows, c.config.hidden_size});
+  HostTensor second(DType::bf16, {in.md.num_rows, c.config.hidden_size});
+  for (HostTensor* out : {&first, &second}) {
+    cuda::copy_to_device(TensorView(in.cache.base(), DType::u8, {cache_bytes}), dev_bytes, nullptr);
+    layer.forward(d.pv, d.hv, &in.md, dc.cache, d.ov, nullptr);
+    cuda::copy_to_host(d.ov, out->view(), nullptr);
+    layer.check_errors(nullptr);  // (waits for the copy)
+  }
+  EXPECT_EQ(std::memcmp(first.data<void>(), second.data<void>(), first.bytes()), 0)
+      << "the second forward ran other algorithms";
+  expect_matches_oracle(c.config, in.weights, nullptr, in.positions, in.hidden, in.md, in.cache,
+                        first, "forward with tuned GEMMs");
 }
 
 // ---- bad input ---------------------------------------------------------------------------------
