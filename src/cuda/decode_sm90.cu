@@ -642,6 +642,73 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 }
 
 #if KMLA_SM90A
+// The seesaw forms' refill of one warpgroup's half of a tile of kTileKeys keys (64: the
+// two-stage seesaw, 32: the ring), by its issuing warp: lane j looks after keys
+// [group j, group j + group) of the tile, which starts at key `first` (block id `block`, from
+// the caller's fetch); the tile's key flags go to ok[k] (loaded and before key1) and whether
+// any key is not ok to *fix; the bytes are announced on the stage's panel mbarriers (bars[9])
+// and the bulk copies of panels 4 wg .. 4 wg + 3, and panel 8 when with8, issued into the
+// stage at st.
+template <int kTileKeys>
+__device__ __forceinline__ void seesaw_refill(const DecodeArgs& a, const CUtensorMap& kmap,
+                                              int first, int key1, int group, int lane, int block,
+                                              uint32_t st, uint64_t* bars, int wg, bool with8,
+                                              uint8_t* ok, uint8_t* fix) {
+  constexpr int kTilePanelBytes = kTileKeys * kPanelRowBytes;
+  const int pos = first + group * lane;
+  const bool any = group * lane < kTileKeys && pos < key1;
+  const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
+  if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
+  const unsigned good_groups = __ballot_sync(0xffffffffu, good);
+  bool all_ok = true;
+#pragma unroll
+  for (int h = 0; h < kTileKeys / 32; ++h) {
+    const int k = lane + 32 * h;
+    const bool key_ok = (good_groups >> (k / group) & 1u) && first + k < key1;
+    ok[k] = key_ok;
+    all_ok = all_ok && key_ok;
+  }
+  const bool any_bad = !__all_sync(0xffffffffu, all_ok);
+  const int p0 = 4 * wg;
+  if (lane == 0) {
+    *fix = any_bad;
+    const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&bars[p0 + i], bytes);
+    if (with8) mbar_arrive_expect_tx(&bars[8], bytes);
+  }
+  __syncwarp();  // the bytes are announced before any copy can complete
+  if (good) {
+    const uint32_t dst = st + uint32_t(lane * group * kPanelRowBytes);
+    const int row = decode_row_in_block(a, pos);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      tma_load_3d(dst + (p0 + i) * kTilePanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
+                  &bars[p0 + i]);
+    if (with8) tma_load_3d(dst + 8 * kTilePanelBytes, &kmap, 8 * kPanelElems, row, block, &bars[8]);
+  }
+}
+
+// Zeroes warpgroup wg's V half (columns 256 wg ..) of the keys not ok (ok[key]) in the stage
+// at st, a tile of kTileKeys keys, when `fix` (P is 0 there, but 0 x NaN is NaN), then makes
+// the stores visible to the warpgroup's MMAs (named barrier 5 or 6). Warpgroup-uniform.
+template <int kTileKeys>
+__device__ __forceinline__ void seesaw_zero_v(uint8_t* st, const uint8_t* ok, bool fix, int wg,
+                                              int tid) {
+  if (!fix) return;
+  for (int i = tid & 127; i < kTileKeys * 32; i += 128) {
+    const int key = i >> 5, c = 32 * wg + (i & 31);
+    if (!ok[key])
+      *reinterpret_cast<uint4*>(st + (c >> 3) * (kTileKeys * kPanelRowBytes) +
+                                swizzle128(key, c & 7)) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  if (wg)
+    named_bar_sync<6, 128>();
+  else
+    named_bar_sync<5, 128>();
+}
+
 // The seesaw forms' softmax of one warpgroup's S tile of NG 8-key groups (s: the m64n(8 NG)
 // accumulators; this thread's rows row_lo, row_hi = row_lo + 8 and keys 8 i + 2 t (+ 1)),
 // shared through row_m: masks (ok: the tile's key flags + 2 t; kpos: first key + 2 t; count_*:
@@ -779,60 +846,17 @@ __device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const Dec
                ? table[decode_block_of(a, pos)]
                : -1;
   };
+  // My panels of the tile: V half 4 wg .. 4 wg + 3, and panel 8 where the other
+  // warpgroup's tile is (seesaw_refill, seesaw_zero_v).
   auto refill = [&](int tile, int stage, int block) {  // issuing warp only
-    const int pos = key0 + tile * kKeys + group * lane;
-    const bool any = group * lane < kKeys && pos < key1;
-    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
-    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
-    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
-    bool all_ok = true;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int k = lane + 32 * h;
-      const bool ok = (good_groups >> (k / group) & 1u) && key0 + tile * kKeys + k < key1;
-      key_ok[((tile >> 1 & 1) * 2 + stage) * kKeys + k] = ok;
-      all_ok = all_ok && ok;
-    }
-    const bool fix = !__all_sync(0xffffffffu, all_ok);
-    // My panels: 4 wg .. 4 wg + 3, and panel 8 where the other warpgroup's tile is.
-    const int p0 = 4 * wg;
-    const bool with8 = stage != wg;
-    if (lane == 0) {
-      fix_s[wg][tile >> 1 & 1][stage] = fix;
-      const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&bars[stage * kPanels + p0 + i], bytes);
-      if (with8) mbar_arrive_expect_tx(&bars[stage * kPanels + 8], bytes);
-    }
-    __syncwarp();  // the bytes are announced before any copy can complete
-    if (good) {
-      const uint32_t dst = base + kKOff + stage * kTileBytes + lane * group * kPanelRowBytes;
-      const int row = decode_row_in_block(a, pos);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tma_load_3d(dst + (p0 + i) * kPanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
-                    &bars[stage * kPanels + p0 + i]);
-      if (with8)
-        tma_load_3d(dst + 8 * kPanelBytes, &kmap, 8 * kPanelElems, row, block,
-                    &bars[stage * kPanels + 8]);
-    }
+    const int use = tile >> 1 & 1;
+    seesaw_refill<kKeys>(a, kmap, key0 + tile * kKeys, key1, group, lane, block,
+                         base + kKOff + stage * kTileBytes, &bars[stage * kPanels], wg, stage != wg,
+                         key_ok + (use * 2 + stage) * kKeys, &fix_s[wg][use][stage]);
   };
-  // Zeroes my V half's rows of the keys not ok in `stage` (P is 0 there, but 0 x NaN is
-  // NaN), then makes the stores visible to my warpgroup's MMAs. Warpgroup-uniform.
   auto fix_v = [&](int stage, int use) {
-    if (!fix_s[wg][use][stage]) return;
-    const int ti = tid & 127;
-    for (int i = ti; i < kKeys * 32; i += 128) {
-      const int key = i >> 5, c = 32 * wg + (i & 31);
-      if (!key_ok[(use * 2 + stage) * kKeys + key])
-        *reinterpret_cast<uint4*>(smem + kKOff + stage * kTileBytes + tile_offset(key, c)) =
-            make_uint4(0, 0, 0, 0);
-    }
-    fence_proxy_async();
-    if (wg)
-      named_bar_sync<6, 128>();
-    else
-      named_bar_sync<5, 128>();
+    seesaw_zero_v<kKeys>(smem + kKOff + stage * kTileBytes, key_ok + (use * 2 + stage) * kKeys,
+                         fix_s[wg][use][stage], wg, tid);
   };
 
   int blk_a = -1, blk_b = -1;  // block ids of the next refills (issuing warp's lanes)
@@ -1138,54 +1162,16 @@ __device__ __forceinline__ void sm90_piece_ring(const DecodeArgs& a, const Decod
   // tile is (it holds that warpgroup's P, which I read last).
   auto refill = [&](int tile, int block) {  // issuing warp only
     const int stage = stage_of(tile), use = use_of(tile);
-    const int pos = key0 + tile * kRingKeys + group * lane;
-    const bool any = group * lane < kRingKeys && pos < key1;
-    const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
-    if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
-    const unsigned good_groups = __ballot_sync(0xffffffffu, good);
-    const int k = lane;  // one flag per lane: 32 keys
-    const bool ok = (good_groups >> (k / group) & 1u) && key0 + tile * kRingKeys + k < key1;
-    key_ok[(use * kRingStages + stage) * kRingKeys + k] = ok;
-    const bool fix = !__all_sync(0xffffffffu, ok);
-    const int p0 = 4 * wg;
-    const bool with8 = (tile & 1) != wg;
-    uint64_t* const sb = &bars[stage * kPanels];
-    if (lane == 0) {
-      fix_s[wg][use][stage] = fix;
-      const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&sb[p0 + i], bytes);
-      if (with8) mbar_arrive_expect_tx(&sb[8], bytes);
-    }
-    __syncwarp();  // the bytes are announced before any copy can complete
-    if (good) {
-      const uint32_t dst = stage_addr(tile) + uint32_t(lane * group * kPanelRowBytes);
-      const int row = decode_row_in_block(a, pos);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tma_load_3d(dst + (p0 + i) * kRingPanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
-                    &sb[p0 + i]);
-      if (with8) tma_load_3d(dst + 8 * kRingPanelBytes, &kmap, 8 * kPanelElems, row, block, &sb[8]);
-    }
+    seesaw_refill<kRingKeys>(a, kmap, key0 + tile * kRingKeys, key1, group, lane, block,
+                             stage_addr(tile), &bars[stage * kPanels], wg, (tile & 1) != wg,
+                             key_ok + (use * kRingStages + stage) * kRingKeys,
+                             &fix_s[wg][use][stage]);
   };
-  // Zeroes my V half's rows of the keys not ok in `tile` (P is 0 there, but 0 x NaN is NaN),
-  // then makes the stores visible to my warpgroup's MMAs. Warpgroup-uniform.
   auto fix_v = [&](int tile) {
     const int stage = stage_of(tile), use = use_of(tile);
-    if (!fix_s[wg][use][stage]) return;
-    const int ti = tid & 127;
-    uint8_t* const st = smem + kKOff + stage * kRingStageBytes;
-    for (int i = ti; i < kRingKeys * 32; i += 128) {
-      const int key = i >> 5, c = 32 * wg + (i & 31);
-      if (!key_ok[(use * kRingStages + stage) * kRingKeys + key])
-        *reinterpret_cast<uint4*>(st + (c >> 3) * kRingPanelBytes + swizzle128(key, c & 7)) =
-            make_uint4(0, 0, 0, 0);
-    }
-    fence_proxy_async();
-    if (wg)
-      named_bar_sync<6, 128>();
-    else
-      named_bar_sync<5, 128>();
+    seesaw_zero_v<kRingKeys>(smem + kKOff + stage * kRingStageBytes,
+                             key_ok + (use * kRingStages + stage) * kRingKeys,
+                             fix_s[wg][use][stage], wg, tid);
   };
 
   int blk_a = -1, blk_b = -1;  // block ids of the next step's refills (issuing warp's lanes)
