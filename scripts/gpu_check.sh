@@ -3,6 +3,8 @@
 # then the benchmark and the PyTorch peers. Logs and JSON go to $OUT (or ./gpu-out).
 # Usage: scripts/gpu_check.sh [tests|sanitize|bench|all] [ctest -R regex]
 #        scripts/gpu_check.sh ab CASES SETTING SETTING...
+# TARGETS="kmla_cli kmla_cuda_kernel_tests" builds only those (a shorter call when the regex or
+# the ab form needs no more).
 # The ab form times `kmla bench --only CASES` under each SETTING (environment assignments,
 # e.g. "KMLA_DECODE_SM90_SEESAW=1"; "" for the defaults), the settings alternated twice in
 # one process each so that clock and machine drift hit them alike, one line per case; with
@@ -21,7 +23,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DKMLA_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" ${CMAKE_EXTRA:-} >/dev/null &&
-  cmake --build build-gpu -j "$(nproc)" >"$out/build.log" 2>&1
+  cmake --build build-gpu -j "$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - start )) s"
 if [ $rc -ne 0 ]; then grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; fi
