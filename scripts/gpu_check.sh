@@ -6,7 +6,7 @@
 # TARGETS="kmla_cli kmla_cuda_kernel_tests" builds only those (a shorter call when the regex or
 # the ab form needs no more).
 # The ab form times `kmla bench --only CASES` under each SETTING (environment assignments,
-# e.g. "KMLA_DECODE_SM90_SEESAW=1"; "" for the defaults), the settings alternated twice in
+# e.g. "KMLA_DECODE_PASS_ORDER=0"; "" for the defaults), the settings alternated twice in
 # one process each so that clock and machine drift hit them alike, one line per case; with
 # KMLA_GEMM_VERBOSE=1 in a setting, also the GEMM tuning's choices (layer cases).
 set -uo pipefail

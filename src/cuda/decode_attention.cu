@@ -2299,7 +2299,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     plan.sched_pair_keys = env_int("KMLA_DECODE_PAIR_KEYS", plan.sched_pair_keys);
     plan.sched_min_keys = env_int("KMLA_DECODE_MIN_KEYS", plan.sched_min_keys);
     plan.sched_nosplit_keys = env_int("KMLA_DECODE_NOSPLIT_KEYS", plan.sched_nosplit_keys);
-    plan.pass_major = env_int("KMLA_DECODE_PASS_ORDER", 0) != 0;
+    plan.pass_major = env_int("KMLA_DECODE_PASS_ORDER", 1) != 0;
   }
   int major = 0;
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));

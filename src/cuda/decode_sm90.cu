@@ -239,45 +239,6 @@ __device__ __forceinline__ void rescale_o(float (&o)[128], float c_lo, float c_h
   scale_acc_rows(o, c);
 }
 
-// ---- the seesaw form (DecodeSm90Options::seesaw) ----
-// S of the key tile at kt over panels [P0, P1), waiting for each panel's bulk copies (the
-// mbarrier at bar0 + 8 p, phase parity `parity`) right before its four k-steps: 4 wgmma
-// m64n64k16 per panel, accumulating from panel 0 on. Issued and committed, not waited for.
-// kWait = false: the caller has waited for the panels already.
-template <class T, int P0, int P1, bool kWait = true>
-__device__ __forceinline__ void issue_s_panels(float (&s)[32], uint32_t q_s, uint32_t kt,
-                                               uint32_t bar0, uint32_t parity) {
-  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
-#pragma unroll
-  for (int pn = P0; pn < P1; ++pn) {
-    if constexpr (kWait) {
-      mbar_wait(bar0 + 8 * pn, parity);
-      wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t off = (pn * kPanelBytes + kk * 32) >> 4;
-      wgmma_ss_m64n64k16<T, false>(s, make_desc_halves(q_lo + off, kDescHi),
-                                   make_desc_halves(k_lo + off, kDescHi), pn > 0 || kk > 0);
-    }
-  }
-  wgmma_commit();
-}
-
-// O half of warpgroup wg += P V with P from this thread's registers (p[j] = the T pair of
-// accumulator values 2j, 2j + 1 of its S: for k-step kk, p[4 kk .. 4 kk + 3] is exactly the
-// A fragment of keys 16 kk .. 16 kk + 15) and V read MN-major as in issue_pv.
-template <class T>
-__device__ __forceinline__ void issue_pv_regs(float (&o)[128], const uint32_t (&p)[16], uint32_t kt,
-                                              int wg) {
-  const uint32_t v_lo = desc_lo(kt + 4 * wg * kPanelBytes, kPanelBytes);
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
-    wgmma_rs_m64n256k16<T, true>(
-        o, p + 4 * kk, make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
-  wgmma_commit();
-}
-
 #endif  // KMLA_SM90A
 
 // Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
@@ -292,7 +253,6 @@ struct KernelFlags {
   int tma_keys;
   bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
   bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
-  bool late_b;       // DecodeSm90Options::seesaw_late_b (seesaw only)
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -641,716 +601,15 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 #endif
 }
 
-#if KMLA_SM90A
-// The seesaw forms' refill of one warpgroup's half of a tile of kTileKeys keys (64: the
-// two-stage seesaw, 32: the ring), by its issuing warp: lane j looks after keys
-// [group j, group j + group) of the tile, which starts at key `first` (block id `block`, from
-// the caller's fetch); the tile's key flags go to ok[k] (loaded and before key1) and whether
-// any key is not ok to *fix; the bytes are announced on the stage's panel mbarriers (bars[9])
-// and the bulk copies of panels 4 wg .. 4 wg + 3, and panel 8 when with8, issued into the
-// stage at st.
-template <int kTileKeys>
-__device__ __forceinline__ void seesaw_refill(const DecodeArgs& a, const CUtensorMap& kmap,
-                                              int first, int key1, int group, int lane, int block,
-                                              uint32_t st, uint64_t* bars, int wg, bool with8,
-                                              uint8_t* ok, uint8_t* fix) {
-  constexpr int kTilePanelBytes = kTileKeys * kPanelRowBytes;
-  const int pos = first + group * lane;
-  const bool any = group * lane < kTileKeys && pos < key1;
-  const bool good = any && block >= 0 && int64_t(block) < a.num_blocks;
-  if (any && !good) raise_error(a.error_flag, kErrBadBlockId);
-  const unsigned good_groups = __ballot_sync(0xffffffffu, good);
-  bool all_ok = true;
-#pragma unroll
-  for (int h = 0; h < kTileKeys / 32; ++h) {
-    const int k = lane + 32 * h;
-    const bool key_ok = (good_groups >> (k / group) & 1u) && first + k < key1;
-    ok[k] = key_ok;
-    all_ok = all_ok && key_ok;
-  }
-  const bool any_bad = !__all_sync(0xffffffffu, all_ok);
-  const int p0 = 4 * wg;
-  if (lane == 0) {
-    *fix = any_bad;
-    const uint32_t bytes = uint32_t(__popc(good_groups) * group * kPanelRowBytes);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_arrive_expect_tx(&bars[p0 + i], bytes);
-    if (with8) mbar_arrive_expect_tx(&bars[8], bytes);
-  }
-  __syncwarp();  // the bytes are announced before any copy can complete
-  if (good) {
-    const uint32_t dst = st + uint32_t(lane * group * kPanelRowBytes);
-    const int row = decode_row_in_block(a, pos);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      tma_load_3d(dst + (p0 + i) * kTilePanelBytes, &kmap, (p0 + i) * kPanelElems, row, block,
-                  &bars[p0 + i]);
-    if (with8) tma_load_3d(dst + 8 * kTilePanelBytes, &kmap, 8 * kPanelElems, row, block, &bars[8]);
-  }
-}
-
-// Zeroes warpgroup wg's V half (columns 256 wg ..) of the keys not ok (ok[key]) in the stage
-// at st, a tile of kTileKeys keys, when `fix` (P is 0 there, but 0 x NaN is NaN), then makes
-// the stores visible to the warpgroup's MMAs (named barrier 5 or 6). Warpgroup-uniform.
-template <int kTileKeys>
-__device__ __forceinline__ void seesaw_zero_v(uint8_t* st, const uint8_t* ok, bool fix, int wg,
-                                              int tid) {
-  if (!fix) return;
-  for (int i = tid & 127; i < kTileKeys * 32; i += 128) {
-    const int key = i >> 5, c = 32 * wg + (i & 31);
-    if (!ok[key])
-      *reinterpret_cast<uint4*>(st + (c >> 3) * (kTileKeys * kPanelRowBytes) +
-                                swizzle128(key, c & 7)) = make_uint4(0, 0, 0, 0);
-  }
-  fence_proxy_async();
-  if (wg)
-    named_bar_sync<6, 128>();
-  else
-    named_bar_sync<5, 128>();
-}
-
-// The seesaw forms' softmax of one warpgroup's S tile of NG 8-key groups (s: the m64n(8 NG)
-// accumulators; this thread's rows row_lo, row_hi = row_lo + 8 and keys 8 i + 2 t (+ 1)),
-// shared through row_m: masks (ok: the tile's key flags + 2 t; kpos: first key + 2 t; count_*:
-// the rows' visible keys), updates row_m, writes the rows' factor 2^(m_old - m_new) to
-// scale_out, leaves p in s and returns the factors in c and the row sums of p in sum.
-template <int NG>
-__device__ __forceinline__ void seesaw_softmax(float (&s)[4 * NG], const uint8_t* ok, int kpos,
-                                               int count_lo, int count_hi, float score_scale,
-                                               float* row_m, int row_lo, int t, float* scale_out,
-                                               float (&c)[2], float (&sum)[2]) {
-  const int row_hi = row_lo + 8;
-  float mx[2] = {kNegInf, kNegInf};
-#pragma unroll
-  for (int i = 0; i < NG; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int col = 8 * i + (e & 1);
-      const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
-      s[4 * i + e] = visible ? s[4 * i + e] * score_scale : kNegInf;
-    }
-    mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
-    mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-  }
-  float mref[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    const float m_old = row_m[h ? row_hi : row_lo];
-    const float m_new = fmaxf(m_old, mx[h]);
-    // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-    mref[h] = m_new == kNegInf ? 0.0f : m_new;
-    c[h] = fast_exp2(m_old - mref[h]);
-    mx[h] = m_new;
-  }
-  __syncwarp();  // every lane of a row has read row_m before its t = 0 lane writes it
-  if (t == 0) {
-    row_m[row_lo] = mx[0];
-    row_m[row_hi] = mx[1];
-    scale_out[row_lo] = c[0];
-    scale_out[row_hi] = c[1];
-  }
-  sum[0] = sum[1] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < NG; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(s[4 * i + e] - mref[e >> 1]);
-    sum[0] += s[4 * i] + s[4 * i + 1];
-    sum[1] += s[4 * i + 2] + s[4 * i + 3];
-  }
-}
-
-#endif  // KMLA_SM90A
-
-// ---- the seesaw form -----------------------------------------------------------------
-// Two key tiles per step, A (even, stage 0) and B (odd, stage 1), and one running max m per
-// row shared through shared memory; warpgroup 0 owns O's columns 0-255 (O_L), warpgroup 1
-// columns 256-511 (O_R), and each computes the whole S of one tile (A on warpgroup 0, B on
-// warpgroup 1, 36 wgmma m64n64k16 each). With P_A = exp2(S_A - m_A), m_A = max(m, max S_A),
-// c_A = 2^(m - m_A), and P_B, m_B, c_B the same after A:
-//   wg 0: softmax A -> m_A, c_A; P_A -> smem | wg 1: (waits for P_A)
-//         O_L = O_L c_A + P_A V_AL            |       O_R = O_R c_A + P_A V_AR, and under it
-//         (waits for P_B)                     |       softmax B -> m_B, c_B; P_B -> smem
-//         O_L = O_L c_B + P_B V_BL            |       O_R = O_R c_B + P_B V_BR
-//         S of the next A                     |       S of the next B
-// so a softmax runs under MMAs (the other warpgroup's, or warpgroup 1's own P_A V_AR), the
-// local product takes P from registers and the other warpgroup's from the P panel, both
-// rounded to T once (the same bits), and O stays one 64 x 512 accumulator split over the
-// two warpgroups (after the seesaw schedule of FlashMLA's 2025 kernel: the same online
-// softmax, regrouped).
-//
-// Shared memory is the two-stage layout above: the P panel of a tile goes into the tile's
-// own panel 8 (only S reads key columns 512-575, and S is done when P is written), and the
-// P region holds the running max, the two rescale factors and the key flags. Each of the 18
-// panels of the two stages has its own mbarrier, so S starts on panel 0 while later panels
-// are still in flight, and each stage is refilled in halves by the warpgroup that read it
-// last, as soon as its last product on them has finished: warpgroup 0 refills panels 0-3
-// (V_L) of either stage and panel 8 of stage 1 (P_B), warpgroup 1 panels 4-7 (V_R) and
-// panel 8 of stage 0 (P_A). A refill's issuing warp (the first of the warpgroup) writes
-// that half's key flags; a tile with keys not ok (past the split, or behind a bad block id)
-// has its V rows zeroed by each warpgroup on its own half before use.
-//
-// Named barriers (256 threads, one side arrives, the other waits): 1 P_A, m_A and c_A
-// written, 2 P_B, m_B and c_B written; 5 and 6 (128) are the warpgroups' own, after zeroing
-// V rows.
-template <class T>
-__device__ __forceinline__ void sm90_piece_seesaw(const DecodeArgs& a, const DecodeWork& work,
-                                                  const KernelFlags& flags,
-                                                  const CUtensorMap& kmap) {
-#if KMLA_SM90A
-  __shared__ __align__(8) uint64_t bars[2 * kPanels];  // [stage][panel]: the panel landed
-  __shared__ uint8_t fix_s[2][2][2];                   // [half][use & 1][stage]: keys not ok
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_u32 = smem_u32(smem_raw);
-  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
-  uint8_t* const smem = smem_raw + (base - raw_u32);
-  float* const row_m = reinterpret_cast<float*>(smem + kPOff);  // [64] running max
-  float* const scale_a = row_m + kRows;                         // [64] c_A
-  float* const scale_b = scale_a + kRows;                       // [64] c_B
-  uint8_t* const key_ok_all = smem + kPOff + 1024;  // [half][use & 1][stage][64] key flags
-  float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);  // [2][64]
-
-  const int r = work.r, row0 = work.row0;
-  const int qlen = work.qlen, seq = work.seq, nrows = work.nrows;
-  const int key0 = work.key0, key1 = work.key1;
-  const int ntiles = piece_tiles(a, work);
-  if (ntiles < 0) return;
-  const int tid = threadIdx.x;
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
-  // My half's flags. A stage's flags are written by the refill and read by every warp of
-  // the warpgroup later on, so they alternate between two slots by the stage's use count
-  // (tile / 2): a refill never overwrites the flags of a tile another warp may still read.
-  uint8_t* const key_ok = key_ok_all + wg * 4 * kKeys;
-
-  const uint32_t q_s = base + kQOff;
-  const int64_t out_row0 = load_q(a, work, q_s);
-  cp_async_commit();
-  if (tid == 0) {
-    for (int i = 0; i < 2 * kPanels; ++i) mbar_init(&bars[i], 1);
-    fence_mbarrier_init();
-  }
-  if (tid < kRows) row_m[tid] = kNegInf;
-  __syncthreads();
-  const uint32_t bar_a = smem_u32(bars);
-
-  // ---- refills: the first warp of each warpgroup issues its half of a tile ----
-  const int group = flags.tma_keys;  // keys per bulk copy: 8, 16, 32 or 64
-  const bool issuer = warp == 0;
-  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
-  auto fetch = [&](int tile) -> int {  // lane's block id for `tile`, read only if used
-    const int pos = key0 + tile * kKeys + group * lane;
-    return issuer && tile < ntiles && group * lane < kKeys && pos < key1
-               ? table[decode_block_of(a, pos)]
-               : -1;
-  };
-  // My panels of the tile: V half 4 wg .. 4 wg + 3, and panel 8 where the other
-  // warpgroup's tile is (seesaw_refill, seesaw_zero_v).
-  auto refill = [&](int tile, int stage, int block) {  // issuing warp only
-    const int use = tile >> 1 & 1;
-    seesaw_refill<kKeys>(a, kmap, key0 + tile * kKeys, key1, group, lane, block,
-                         base + kKOff + stage * kTileBytes, &bars[stage * kPanels], wg, stage != wg,
-                         key_ok + (use * 2 + stage) * kKeys, &fix_s[wg][use][stage]);
-  };
-  auto fix_v = [&](int stage, int use) {
-    seesaw_zero_v<kKeys>(smem + kKOff + stage * kTileBytes, key_ok + (use * 2 + stage) * kKeys,
-                         fix_s[wg][use][stage], wg, tid);
-  };
-
-  int blk_a = -1, blk_b = -1;  // block ids of the next refills (issuing warp's lanes)
-  if (issuer && ntiles > 0) {
-    const int b0 = fetch(0), b1 = fetch(1);
-    blk_a = fetch(2);
-    blk_b = fetch(3);
-    refill(0, 0, b0);
-    if (ntiles > 1) refill(1, 1, b1);
-  }
-
-  const int count_lo = decode_row_keys(a, qlen, seq, nrows, row0 + row_lo);
-  const int count_hi = decode_row_keys(a, qlen, seq, nrows, row0 + row_hi);
-  float l_lo = 0.0f, l_hi = 0.0f;  // my warpgroup's partial row sums, relative to row_m
-  float o[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-  float s[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = 0.0f;  // defined before the first MMA reads it
-  const uint32_t kt0 = base + kKOff, kt1 = kt0 + kTileBytes;
-  const uint32_t p_a = kt0 + 8 * kPanelBytes, p_b = kt1 + 8 * kPanelBytes;  // P panels
-  const bool skip = flags.skip_rescale;
-
-  // Softmax of my tile's S in s (stage `stage`, first key kpos0), seesaw_softmax.
-  auto softmax = [&](int stage, int use, int kpos0, float* scale_out, float(&c)[2],
-                     float(&sum)[2]) {
-    seesaw_softmax<8>(s, key_ok + (use * 2 + stage) * kKeys + 2 * t, kpos0 + 2 * t, count_lo,
-                      count_hi, a.score_scale_log2, row_m, row_lo, t, scale_out, c, sum);
-  };
-
-  cp_async_wait_all();  // my copies of Q
-  fence_proxy_async();
-  __syncthreads();  // everyone's Q
-  // The first S of each warpgroup (with the late S of B, warpgroup 1 computes it in the loop).
-  if (ntiles > 0 && (wg == 0 || (ntiles > 1 && !flags.late_b))) {
-    for (int pn = 0; pn < kPanels; ++pn) mbar_wait(bar_a + 8 * (wg * kPanels + pn), 0);
-    wgmma_fence();
-    issue_s_panels<T, 0, kPanels, false>(s, q_s, wg == 0 ? kt0 : kt1, bar_a, 0);
-    wgmma_wait<0>();
-    fence_regs(s);
-  }
-
-  for (int ta = 0; ta < ntiles; ta += 2) {
-    const int tb = ta + 1;
-    const bool has_b = tb < ntiles, next_a = ta + 2 < ntiles, next_b = tb + 2 < ntiles;
-    const int use = ta >> 1 & 1;  // of both stages in this step: flag slot, mbarrier parity
-    const uint32_t next_parity = uint32_t(use ^ 1);
-    float c[2], sum[2];
-    if (wg == 0) {
-      // ---- softmax A, P_A for warpgroup 1; O_L = O_L c_A + P_A V_AL ----
-      softmax(0, use, key0 + ta * kKeys, scale_a, c, sum);
-      store_p<T, 8>(smem + kKOff + 8 * kPanelBytes, s, 0, warp, g, t);
-      fence_proxy_async();
-      named_bar_arrive<1, kThreads>();
-      l_lo = l_lo * c[0] + sum[0];
-      l_hi = l_hi * c[1] + sum[1];
-      rescale_o(o, c[0], c[1], skip);
-      uint32_t pr[16];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
-      fix_v(0, use);
-      wgmma_fence();
-      issue_pv_regs<T>(o, pr, kt0, 0);
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(pr);  // the MMA read pr asynchronously: no reuse before the wait
-      if (issuer && next_a) refill(ta + 2, 0, blk_a);  // panels 0-3 of stage 0 are free
-      // ---- O_L = O_L c_B + P_B V_BL; S of the next A under it ----
-      if (has_b) {
-        named_bar_sync<2, kThreads>();  // (also: warpgroup 1 waited for stage 1's panels)
-        fix_v(1, use);
-        const float cb[2] = {scale_b[row_lo], scale_b[row_hi]};
-        l_lo *= cb[0];
-        l_hi *= cb[1];
-        rescale_o(o, cb[0], cb[1], skip);
-        wgmma_fence();
-        issue_pv<T>(o, p_b, kt1, 0);
-      }
-      if (next_a) {
-        wgmma_fence();
-        issue_s_panels<T, 0, 4>(s, q_s, kt0, bar_a, next_parity);
-        wgmma_wait<1>();  // P_B V_BL, so panels 0-3 and 8 of stage 1 are free
-        fence_regs(o);
-        if (issuer && next_b) refill(tb + 2, 1, blk_b);
-        wgmma_fence();
-        issue_s_panels<T, 4, kPanels>(s, q_s, kt0, bar_a, next_parity);
-      }
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(s);
-    } else {
-      // ---- O_R = O_R c_A + P_A V_AR, with the softmax of B under it (with the late S
-      // of B: P_A V_AR, then S of B, then its softmax) ----
-      named_bar_sync<1, kThreads>();
-      const float ca[2] = {scale_a[row_lo], scale_a[row_hi]};
-      rescale_o(o, ca[0], ca[1], skip);
-      fix_v(0, use);
-      wgmma_fence();
-      issue_pv<T>(o, p_a, kt0, 1);
-      bool refilled_a = false;
-      if (flags.late_b && has_b) {
-        wgmma_wait<0>();
-        fence_regs(o);
-        if (issuer && next_a) refill(ta + 2, 0, blk_a);
-        refilled_a = true;
-        wgmma_fence();
-        issue_s_panels<T, 0, kPanels>(s, q_s, kt1, bar_a + 8 * kPanels, uint32_t(use));
-        wgmma_wait<0>();
-        fence_regs(s);
-      }
-      uint32_t pr[16];
-      if (has_b) {
-        softmax(1, use, key0 + tb * kKeys, scale_b, c, sum);
-        store_p<T, 8>(smem + kKOff + kTileBytes + 8 * kPanelBytes, s, 0, warp, g, t);
-        fence_proxy_async();  // my P_B stores -> warpgroup 0's MMAs
-        named_bar_arrive<2, kThreads>();
-#pragma unroll
-        for (int j = 0; j < 16; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
-      }
-      wgmma_wait<0>();  // P_A V_AR: panels 4-8 of stage 0 are free
-      fence_regs(o);
-      if (issuer && next_a && !refilled_a) refill(ta + 2, 0, blk_a);
-      // ---- O_R = O_R c_B + P_B V_BR ----
-      l_lo *= ca[0];
-      l_hi *= ca[1];
-      if (has_b) {
-        l_lo = l_lo * c[0] + sum[0];
-        l_hi = l_hi * c[1] + sum[1];
-        rescale_o(o, c[0], c[1], skip);
-        fix_v(1, use);
-        wgmma_fence();
-        issue_pv_regs<T>(o, pr, kt1, 1);
-        wgmma_wait<0>();  // panels 4-7 of stage 1 are free
-        fence_regs(o);
-        fence_regs(pr);
-        if (issuer && next_b) refill(tb + 2, 1, blk_b);
-      }
-      if (next_b && !flags.late_b) {
-        wgmma_fence();
-        issue_s_panels<T, 0, kPanels>(s, q_s, kt1, bar_a + 8 * kPanels, next_parity);
-        wgmma_wait<0>();
-        fence_regs(s);
-      }
-    }
-    if (issuer) {  // the next step's block ids, off this step's path
-      blk_a = fetch(ta + 4);
-      blk_b = fetch(tb + 4);
-    }
-  }
-
-  // ---- finish: both warpgroups' row sums, normalise, write ----
-  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before finish_rows' barrier
-  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_lo, l_hi, red_sum);
-  if (tid == 0)  // every wait on the mbarriers of this piece is behind finish_rows' barrier
-    for (int i = 0; i < 2 * kPanels; ++i) mbar_inval(&bars[i]);
-#else
-  (void)a, (void)work, (void)flags, (void)kmap;
-  __trap();
-#endif
-}
-
-// ---- the seesaw on a ring of four 32-key stages (DecodeSm90Options::seesaw_ring) ----------
-// The seesaw above with 32-key tiles in four 36 KB stages (the same 144 KB): tile t lives in
-// stage t & 3, so a stage refilled after its tile's last product is read again a whole step
-// later (two tiles), where the two-stage seesaw needs it right after one P V. Step i takes
-// tiles A = 2i and B = 2i + 1 with the seesaw's roles and order:
-//   wg 0: softmax A; P_A -> panel 8 of A's stage; O_L = O_L c_A + P_A V_AL (P from registers);
-//         refill A + 4's V_L; (P_B) O_L = O_L c_B + P_B V_BL; S of A + 2 under it, with
-//         B + 4's V_L and panel 8 refilled once P_B V_BL is done
-//   wg 1: (P_A) O_R = O_R c_A + P_A V_AR with the softmax of B under it; P_B -> panel 8 of
-//         B's stage; refill A + 4's V_R and panel 8; O_R = O_R c_B + P_B V_BR (registers);
-//         refill B + 4's V_R; S of B + 2
-// A stage is 9 panels of 32 keys x 128 B (4 KB); S of a tile is 36 wgmma m64n32k16, P V two
-// m64n256k16 per warpgroup. P (64 rows x 32 keys in T, 4 KB) fits the tile's panel 8 only in
-// the 32-byte swizzle: two blocks of 16 keys (2 KB each), rows 32 B apart, 16-byte chunk c of
-// row r at c ^ (r >> 2 & 1) (CUTLASS's K-major SW32 atom: 8 rows x 32 B, Swizzle<1,4,3>), read
-// through descriptors of swizzle mode 3 with 256-byte 8-row groups. 36 per-panel mbarriers;
-// the key flags are double-buffered by the stage's use (tile >> 2). The scheduler's key tile
-// stays 64 keys (a step), so a piece with an odd number of 32-key tiles ends on A alone.
-constexpr int kRingKeys = 32;
-constexpr int kRingStages = 4;
-constexpr int kRingPanelBytes = kRingKeys * kPanelRowBytes;  // 4096
-constexpr int kRingStageBytes = kPanels * kRingPanelBytes;   // 36,864
-static_assert(kRingStages * kRingStageBytes == 2 * kTileBytes, "the ring fills the two stages");
-
-#if KMLA_SM90A
-constexpr uint32_t kDescHiSw32 = desc_hi(8 * 32, 3);  // P: 8-row groups of 32 B, swizzle 32 B
-
-// Byte offset of key k's value in row `row` of a ring P block (see above).
-__device__ __forceinline__ uint32_t ring_p_offset(int row, int key) {
-  return uint32_t((key >> 4) * 2048 + row * 32 + ((((key >> 3) & 1) ^ ((row >> 2) & 1)) << 4) +
-                  (key & 7) * 2);
-}
-
-// S of the ring tile at kt over panels [P0, P1), each panel waited for (mbarrier bar0 + 8 p,
-// parity) before its four k-steps of wgmma m64n32k16; Q panels are 8 KB apart, the tile's 4 KB.
-// kWait = false (the building-block probe): no copies to wait for.
-template <class T, int P0, int P1, bool kWait = true>
-__device__ __forceinline__ void issue_s_ring(float (&s)[16], uint32_t q_s, uint32_t kt,
-                                             uint32_t bar0, uint32_t parity) {
-  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
-#pragma unroll
-  for (int pn = P0; pn < P1; ++pn) {
-    if constexpr (kWait) {
-      mbar_wait(bar0 + 8 * pn, parity);
-      wgmma_fence();  // after the poll loop: else ptxas serialises the whole sequence
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_m64n32k16<T, false>(
-          s, make_desc_halves(q_lo + ((pn * kPanelBytes + kk * 32) >> 4), kDescHi),
-          make_desc_halves(k_lo + ((pn * kRingPanelBytes + kk * 32) >> 4), kDescHi),
-          pn > 0 || kk > 0);
-  }
-  wgmma_commit();
-}
-
-// O half of warpgroup wg += P V over a ring tile: P from registers (p[4 kk .. 4 kk + 3] the
-// A fragment of keys 16 kk ..), or from a ring P block; V MN-major from the tile's panels
-// 4 wg .. 4 wg + 3 (4 KB apart, 16 keys = 2048 B per k-step).
-template <class T>
-__device__ __forceinline__ void issue_pv_ring_regs(float (&o)[128], const uint32_t (&p)[8],
-                                                   uint32_t kt, int wg) {
-  const uint32_t v_lo = desc_lo(kt + 4 * wg * kRingPanelBytes, kRingPanelBytes);
-#pragma unroll
-  for (int kk = 0; kk < kRingKeys / 16; ++kk)
-    wgmma_rs_m64n256k16<T, true>(
-        o, p + 4 * kk, make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
-  wgmma_commit();
-}
-template <class T>
-__device__ __forceinline__ void issue_pv_ring_smem(float (&o)[128], uint32_t p_s, uint32_t kt,
-                                                   int wg) {
-  const uint32_t p_lo = desc_lo(p_s, 16);
-  const uint32_t v_lo = desc_lo(kt + 4 * wg * kRingPanelBytes, kRingPanelBytes);
-#pragma unroll
-  for (int kk = 0; kk < kRingKeys / 16; ++kk)
-    wgmma_ss_m64n256k16<T, true>(
-        o, make_desc_halves(p_lo + ((kk * 2048) >> 4), kDescHiSw32),
-        make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
-  wgmma_commit();
-}
-#endif  // KMLA_SM90A
-
-template <class T>
-__device__ __forceinline__ void sm90_piece_ring(const DecodeArgs& a, const DecodeWork& work,
-                                                const KernelFlags& flags, const CUtensorMap& kmap) {
-#if KMLA_SM90A
-  __shared__ __align__(8) uint64_t bars[kRingStages * kPanels];  // [stage][panel] landed
-  __shared__ uint8_t fix_s[2][2][kRingStages];  // [half][use & 1][stage]: keys not ok
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_u32 = smem_u32(smem_raw);
-  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
-  uint8_t* const smem = smem_raw + (base - raw_u32);
-  float* const row_m = reinterpret_cast<float*>(smem + kPOff);  // [64] running max
-  float* const scale_a = row_m + kRows;                         // [64] c_A
-  float* const scale_b = scale_a + kRows;                       // [64] c_B
-  // [half][use & 1][stage][32] key flags
-  uint8_t* const key_ok_all = smem + kPOff + 1024;
-  float* const red_sum = reinterpret_cast<float*>(smem + kRedSumOff);  // [2][64]
-
-  const int r = work.r;
-  const int qlen = work.qlen, seq = work.seq, nrows = work.nrows, row0 = work.row0;
-  const int key0 = work.key0, key1 = work.key1;
-  if (piece_tiles(a, work) < 0) return;
-  const int ntiles = key1 > key0 ? (key1 - key0 + kRingKeys - 1) / kRingKeys : 0;  // 32-key
-  const int tid = threadIdx.x;
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
-  uint8_t* const key_ok = key_ok_all + wg * 2 * kRingStages * kRingKeys;
-
-  const uint32_t q_s = base + kQOff;
-  const int64_t out_row0 = load_q(a, work, q_s);
-  cp_async_commit();
-  if (tid == 0) {
-    for (int i = 0; i < kRingStages * kPanels; ++i) mbar_init(&bars[i], 1);
-    fence_mbarrier_init();
-  }
-  if (tid < kRows) row_m[tid] = kNegInf;
-  __syncthreads();
-  const uint32_t bar0 = smem_u32(bars);
-  auto stage_of = [](int tile) { return tile & (kRingStages - 1); };
-  auto stage_addr = [&](int tile) {
-    return base + kKOff + uint32_t(stage_of(tile) * kRingStageBytes);
-  };
-  auto stage_bars = [&](int tile) { return bar0 + 8u * uint32_t(stage_of(tile) * kPanels); };
-  auto use_of = [](int tile) { return (tile >> 2) & 1; };  // the stage's fills so far, mod 2
-
-  // ---- refills: the first warp of each warpgroup issues its half of a tile ----
-  const int group = flags.tma_keys;  // keys per bulk copy: 8, 16 or 32 (tma_keys_for)
-  if (group > kRingKeys) __trap();   // a 64-key box would overrun the 4 KB panels
-  const bool issuer = warp == 0;
-  const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
-  auto fetch = [&](int tile) -> int {  // lane's block id for `tile`, read only if used
-    const int pos = key0 + tile * kRingKeys + group * lane;
-    return issuer && tile < ntiles && group * lane < kRingKeys && pos < key1
-               ? table[decode_block_of(a, pos)]
-               : -1;
-  };
-  // My panels of `tile`: V half 4 wg .. 4 wg + 3, and panel 8 where the other warpgroup's
-  // tile is (it holds that warpgroup's P, which I read last).
-  auto refill = [&](int tile, int block) {  // issuing warp only
-    const int stage = stage_of(tile), use = use_of(tile);
-    seesaw_refill<kRingKeys>(a, kmap, key0 + tile * kRingKeys, key1, group, lane, block,
-                             stage_addr(tile), &bars[stage * kPanels], wg, (tile & 1) != wg,
-                             key_ok + (use * kRingStages + stage) * kRingKeys,
-                             &fix_s[wg][use][stage]);
-  };
-  auto fix_v = [&](int tile) {
-    const int stage = stage_of(tile), use = use_of(tile);
-    seesaw_zero_v<kRingKeys>(smem + kKOff + stage * kRingStageBytes,
-                             key_ok + (use * kRingStages + stage) * kRingKeys,
-                             fix_s[wg][use][stage], wg, tid);
-  };
-
-  int blk_a = -1, blk_b = -1;  // block ids of the next step's refills (issuing warp's lanes)
-  if (issuer) {
-    int blk[kRingStages];
-#pragma unroll
-    for (int i = 0; i < kRingStages; ++i) blk[i] = fetch(i);
-    blk_a = fetch(4);
-    blk_b = fetch(5);
-#pragma unroll
-    for (int i = 0; i < kRingStages; ++i)
-      if (i < ntiles) refill(i, blk[i]);
-  }
-
-  const int count_lo = decode_row_keys(a, qlen, seq, nrows, row0 + row_lo);
-  const int count_hi = decode_row_keys(a, qlen, seq, nrows, row0 + row_hi);
-  float l_lo = 0.0f, l_hi = 0.0f;  // my warpgroup's partial row sums, relative to row_m
-  float o[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-  float s[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) s[i] = 0.0f;  // defined before the first MMA reads it
-  const bool skip = flags.skip_rescale;
-
-  // Softmax of my tile's S in s, seesaw_softmax.
-  auto softmax = [&](int tile, float* scale_out, float(&c)[2], float(&sum)[2]) {
-    const uint8_t* ok = key_ok + (use_of(tile) * kRingStages + stage_of(tile)) * kRingKeys + 2 * t;
-    seesaw_softmax<4>(s, ok, key0 + tile * kRingKeys + 2 * t, count_lo, count_hi,
-                      a.score_scale_log2, row_m, row_lo, t, scale_out, c, sum);
-  };
-  // My p values (rounded to T) into the P block at panel 8 of `tile`'s stage.
-  auto store_p_ring = [&](int tile) {
-    uint8_t* const p_s = smem + kKOff + stage_of(tile) * kRingStageBytes + 8 * kRingPanelBytes;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h;
-        *reinterpret_cast<uint32_t*>(p_s + ring_p_offset(row, 8 * i + 2 * t)) =
-            pack2<T>(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
-      }
-    fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
-  };
-  auto parity_of = [](int tile) { return uint32_t((tile >> 2) & 1); };
-
-  cp_async_wait_all();  // my copies of Q
-  fence_proxy_async();
-  __syncthreads();  // everyone's Q
-  // The first S of each warpgroup: tile 0 on warpgroup 0, tile 1 on warpgroup 1.
-  if (wg < ntiles) {
-    wgmma_fence();
-    issue_s_ring<T, 0, kPanels>(s, q_s, stage_addr(wg), stage_bars(wg), parity_of(wg));
-    wgmma_wait<0>();
-    fence_regs(s);
-  }
-
-  for (int ta = 0; ta < ntiles; ta += 2) {
-    const int tb = ta + 1;
-    const bool has_b = tb < ntiles, next_a = ta + 2 < ntiles, next_b = tb + 2 < ntiles;
-    const bool refill_a = ta + 4 < ntiles, refill_b = tb + 4 < ntiles;
-    const uint32_t kt_a = stage_addr(ta), kt_b = stage_addr(tb);
-    float c[2], sum[2];
-    if (wg == 0) {
-      // ---- softmax A, P_A for warpgroup 1; O_L = O_L c_A + P_A V_AL ----
-      softmax(ta, scale_a, c, sum);
-      store_p_ring(ta);
-      named_bar_arrive<1, kThreads>();
-      l_lo = l_lo * c[0] + sum[0];
-      l_hi = l_hi * c[1] + sum[1];
-      rescale_o(o, c[0], c[1], skip);
-      uint32_t pr[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
-      fix_v(ta);
-      wgmma_fence();
-      issue_pv_ring_regs<T>(o, pr, kt_a, 0);
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(pr);  // the MMA read pr asynchronously: no reuse before the wait
-      if (issuer && refill_a) refill(ta + 4, blk_a);  // V_L of A's stage is free
-      // ---- O_L = O_L c_B + P_B V_BL; S of the next A under it ----
-      if (has_b) {
-        named_bar_sync<2, kThreads>();  // P_B, m_B and c_B are in
-        fix_v(tb);
-        const float cb[2] = {scale_b[row_lo], scale_b[row_hi]};
-        l_lo *= cb[0];
-        l_hi *= cb[1];
-        rescale_o(o, cb[0], cb[1], skip);
-        wgmma_fence();
-        issue_pv_ring_smem<T>(o, kt_b + 8 * kRingPanelBytes, kt_b, 0);
-      }
-      if (next_a) {  // (then B exists)
-        const uint32_t kt_n = stage_addr(ta + 2), bars_n = stage_bars(ta + 2);
-        wgmma_fence();
-        issue_s_ring<T, 0, 4>(s, q_s, kt_n, bars_n, parity_of(ta + 2));
-        wgmma_wait<1>();  // P_B V_BL: V_L and panel 8 (P_B) of B's stage are free
-        fence_regs(o);
-        if (issuer && refill_b) refill(tb + 4, blk_b);
-        issue_s_ring<T, 4, kPanels>(s, q_s, kt_n, bars_n, parity_of(ta + 2));
-      }
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(s);
-    } else {
-      // ---- O_R = O_R c_A + P_A V_AR, with the softmax of B under it ----
-      named_bar_sync<1, kThreads>();
-      const float ca[2] = {scale_a[row_lo], scale_a[row_hi]};
-      rescale_o(o, ca[0], ca[1], skip);
-      fix_v(ta);
-      wgmma_fence();
-      issue_pv_ring_smem<T>(o, kt_a + 8 * kRingPanelBytes, kt_a, 1);
-      uint32_t pr[8];
-      if (has_b) {
-        softmax(tb, scale_b, c, sum);
-        store_p_ring(tb);
-        named_bar_arrive<2, kThreads>();
-#pragma unroll
-        for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(s[2 * j], s[2 * j + 1]);
-      }
-      wgmma_wait<0>();  // P_A V_AR: V_R and panel 8 (P_A) of A's stage are free
-      fence_regs(o);
-      if (issuer && refill_a) refill(ta + 4, blk_a);
-      // ---- O_R = O_R c_B + P_B V_BR ----
-      l_lo *= ca[0];
-      l_hi *= ca[1];
-      if (has_b) {
-        l_lo = l_lo * c[0] + sum[0];
-        l_hi = l_hi * c[1] + sum[1];
-        rescale_o(o, c[0], c[1], skip);
-        fix_v(tb);
-        wgmma_fence();
-        issue_pv_ring_regs<T>(o, pr, kt_b, 1);
-        wgmma_wait<0>();  // V_R of B's stage is free
-        fence_regs(o);
-        fence_regs(pr);
-        if (issuer && refill_b) refill(tb + 4, blk_b);
-      }
-      if (next_b) {
-        wgmma_fence();
-        issue_s_ring<T, 0, kPanels>(s, q_s, stage_addr(tb + 2), stage_bars(tb + 2),
-                                    parity_of(tb + 2));
-        wgmma_wait<0>();
-        fence_regs(s);
-      }
-    }
-    if (issuer) {  // the next step's block ids, off this step's path
-      blk_a = fetch(ta + 6);
-      blk_b = fetch(tb + 6);
-    }
-  }
-
-  // ---- finish: both warpgroups' row sums, normalise, write ----
-  const float m[2] = {row_m[row_lo], row_m[row_hi]};  // read before finish_rows' barrier
-  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, m, l_lo, l_hi, red_sum);
-  if (tid == 0)  // every wait on the mbarriers of this piece is behind finish_rows' barrier
-    for (int i = 0; i < kRingStages * kPanels; ++i) mbar_inval(&bars[i]);
-#else
-  (void)a, (void)work, (void)flags, (void)kmap;
-  __trap();
-#endif
-}
-
 // One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
 // the other.
-// kForm: 0 the S halves, 1 the wide S (both sm90_piece), 2 the seesaw, 3 the seesaw on the
-// four-stage ring (TMA copies only).
-template <class T, int kForm>
+// kWideS: DecodeSm90Options::wide_s.
+template <class T, bool kWideS>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
-  for_each_decode_work<kRows, kKeys>(a, [&](const DecodeWork& w) {
-    if constexpr (kForm == 3)
-      sm90_piece_ring<T>(a, w, flags, kmap);
-    else if constexpr (kForm == 2)
-      sm90_piece_seesaw<T>(a, w, flags, kmap);
-    else
-      sm90_piece<T, kForm == 1>(a, w, flags, kmap);
-  });
+  for_each_decode_work<kRows, kKeys>(
+      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------
@@ -1418,97 +677,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The ring form's building blocks (decode_sm90_probe with ring): k rows 0..31 as one ring
-// stage, S (64 x 32) through issue_s_ring on both warpgroups (warpgroup 0's written out), P
-// (rounded to T) as warpgroup 0's register fragments for O's columns 0-255 and, through the
-// 32-byte-swizzled P block in panel 8, for warpgroup 1's columns 256-511.
-template <class T>
-__global__ void __launch_bounds__(kThreads, 1)
-    decode_sm90_ring_probe_kernel(const T* q, const T* k, const float* p_in, float* s_out,
-                                  float* o_out) {
-#if KMLA_SM90A
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_u32 = smem_u32(smem_raw);
-  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
-  uint8_t* const smem = smem_raw + (base - raw_u32);
-  const uint32_t q_s = base, kt = base + kTileBytes;
-  const int tid = threadIdx.x;
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < kRows * kRowChunks; i += kThreads) {
-    const int row = i / kRowChunks, c = i % kRowChunks;
-    cp_async16(q_s + tile_offset(row, c), q + row * kLatentDim + c * 8, true);
-    if (row < kRingKeys)
-      cp_async16(kt + (c >> 3) * kRingPanelBytes + swizzle128(row, c & 7),
-                 k + row * kLatentDim + c * 8, true);
-  }
-  cp_async_commit();
-  cp_async_wait_all();
-  fence_proxy_async();
-  __syncthreads();
-
-  float s[16];
-  wgmma_fence();
-  issue_s_ring<T, 0, kPanels, false>(s, q_s, kt, 0, 0);
-  wgmma_wait<0>();
-  fence_regs(s);
-  float p[16];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e >> 1), key = 8 * i + 2 * t + (e & 1);
-      if (wg == 0) s_out[row * kRingKeys + key] = s[4 * i + e];
-      p[4 * i + e] = p_in[row * kRingKeys + key];
-    }
-  }
-  __syncthreads();  // both warpgroups' S have read panel 8 before P overwrites it
-  uint8_t* const p_blk = smem + kTileBytes + 8 * kRingPanelBytes;
-  if (wg == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h;
-        *reinterpret_cast<uint32_t*>(p_blk + ring_p_offset(row, 8 * i + 2 * t)) =
-            pack2<T>(p[4 * i + 2 * h], p[4 * i + 2 * h + 1]);
-      }
-    fence_proxy_async();
-  }
-  __syncthreads();
-  uint32_t pr[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) pr[j] = pack2<T>(p[2 * j], p[2 * j + 1]);
-  float o[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-  fence_regs(o);
-  wgmma_fence();
-  if (wg == 0)
-    issue_pv_ring_regs<T>(o, pr, kt, 0);
-  else
-    issue_pv_ring_smem<T>(o, kt + 8 * kRingPanelBytes, kt, 1);
-  wgmma_wait<0>();
-  fence_regs(o);
-  fence_regs(pr);
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e >> 1), col = kHalfCols * wg + 8 * i + 2 * t + (e & 1);
-      o_out[row * kKvLoraRank + col] = o[4 * i + e];
-    }
-  }
-#else
-  (void)q, (void)k, (void)p_in, (void)s_out, (void)o_out;
-  __trap();
-#endif
-}
-
 // Whether the wgmma kernel can run on `device` (sm90a_kernel_runs_on, asked once per device).
 bool sm90_kernel_runs_on(int device) {
   static std::atomic<int> answers[kMaxSm90Devices] = {};
-  return sm90a_kernel_runs_on(device, reinterpret_cast<const void*>(decode_sm90_kernel<bf16, 0>),
-                              answers);
+  return sm90a_kernel_runs_on(
+      device, reinterpret_cast<const void*>(decode_sm90_kernel<bf16, false>), answers);
 }
 
 // A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
@@ -1529,9 +702,6 @@ DecodeSm90Options& current_options() {
     o.wide_s = env_switch("KMLA_DECODE_SM90_WIDE_S", o.wide_s);
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
-    o.seesaw = env_switch("KMLA_DECODE_SM90_SEESAW", o.seesaw);
-    o.seesaw_late_b = env_switch("KMLA_DECODE_SM90_SEESAW_LATE_B", o.seesaw_late_b);
-    o.seesaw_ring = env_switch("KMLA_DECODE_SM90_SEESAW_RING", o.seesaw_ring);
     return o;
   }();
   return opt;
@@ -1552,11 +722,11 @@ int profile_mode() {
   return mode;
 }
 
-// The key-group size of the TMA copies for this cache: the largest of max_keys (64 or 32), ...,
-// 16, 8 keys that divides the block size (a group then never crosses a block), 0 if none does
+// The key-group size of the TMA copies for this cache: the largest of 64 (a tile), 32, 16, 8
+// keys that divides the block size (a group then never crosses a block), 0 if none does
 // (cp.async).
-int tma_group_keys(int block_size, int max_keys) {
-  for (int g = max_keys; g >= 8; g /= 2)
+int tma_group_keys(int block_size) {
+  for (int g = kKeys; g >= 8; g /= 2)
     if (block_size % g == 0) return g;
   return 0;
 }
@@ -1583,11 +753,9 @@ bool cache_tensor_map(const DecodeArgs& a, DType act, int group, CUtensorMap& ma
 }
 
 // The key-group size the launch copies with (0: cp.async), and the tensor map for it.
-// The ring form's stages are 32 keys, so its groups are at most 32.
 int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map) {
   const DecodeSm90Options& o = current_options();
-  const int max_keys = o.seesaw_ring && profile_mode() == 0 ? kRingKeys : kKeys;
-  const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size, max_keys) : 0;
+  const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
   return group > 0 && cache_tensor_map(a, act, group, map) ? group : 0;
 }
 
@@ -1624,31 +792,23 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     const DecodeSm90Options& o = current_options();
     CUtensorMap kmap{};
     const int group = tma_keys_for(a, act, kmap);
-    // The seesaw forms need the bulk copies; the profile modes time the two-stage forms.
-    const bool seesaw = group > 0 && profile_mode() == 0;
-    auto* kernel = seesaw && o.seesaw_ring ? decode_sm90_kernel<T, 3>
-                   : seesaw && o.seesaw    ? decode_sm90_kernel<T, 2>
-                   : o.wide_s              ? decode_sm90_kernel<T, 1>
-                                           : decode_sm90_kernel<T, 0>;
+    auto* kernel = o.wide_s ? decode_sm90_kernel<T, true> : decode_sm90_kernel<T, false>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
     kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a,
-        KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue,
-                    o.seesaw_late_b},
-        kmap);
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
     KMLA_LAUNCH_CHECK();
   });
 }
 
 void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
-                       float* o_out, cudaStream_t stream, bool ring) {
+                       float* o_out, cudaStream_t stream) {
   KMLA_CHECK(act == DType::bf16 || act == DType::f16,
              "decode_sm90_probe: act must be bf16 or f16, got ", dtype_name(act));
   dispatch_act(act, [&]<class T>() {
-    auto* kernel = ring ? decode_sm90_ring_probe_kernel<T> : decode_sm90_probe_kernel<T>;
+    auto* kernel = decode_sm90_probe_kernel<T>;
     KMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          kProbeSmemAlloc));
     kernel<<<1, kThreads, kProbeSmemAlloc, stream>>>(static_cast<const T*>(q),

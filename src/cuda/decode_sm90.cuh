@@ -38,22 +38,6 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA, issue tile t + 1 right after the tile
 //                                      barrier, before waiting for tile t: two tiles in
 //                                      flight (default 1; alone +-1 %, with the above 1-2 %)
-//   KMLA_DECODE_SM90_SEESAW=0|1        the seesaw form (docs/decode_sm90.md): two key tiles
-//                                      per step, each warpgroup computing S of one and
-//                                      half of O, a softmax under MMAs, per-panel copy
-//                                      barriers; needs the TMA copies (the other forms run
-//                                      where there are none). Default 0: its first form
-//                                      measured 10-16 % slower than the wide S on every
-//                                      H200 case (2026-12-05); the reordered form here is
-//                                      not measured yet
-//   KMLA_DECODE_SM90_SEESAW_LATE_B=0|1 with the seesaw, warpgroup 1 computes S of tile B
-//                                      at the start of its step instead of the end of the
-//                                      step before, giving stage 1's copies longer to land
-//                                      (default 0; not measured yet)
-//   KMLA_DECODE_SM90_SEESAW_RING=0|1   the seesaw on a ring of four 32-key stages (the same
-//                                      shared memory): a stage is refilled a whole step
-//                                      before it is read again (TMA only; takes precedence
-//                                      over SEESAW; default 0: not run on a GPU yet)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -61,9 +45,6 @@ struct DecodeSm90Options {
   bool wide_s = true;
   bool issue_wg1 = true;
   bool early_issue = true;
-  bool seesaw = false;
-  bool seesaw_late_b = false;
-  bool seesaw_ring = false;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
@@ -81,10 +62,8 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
 // Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
 // in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's
 // two 32-key halves) and o_out [64, 512] = round_act(p) k[:, :512] (fp32), both through the
-// kernel's swizzled layouts, descriptors and accumulator mappings. With `ring`, the same for
-// the ring form's 32-key tile (the first 32 rows of k): p, s_out [64, 32], O's columns 0-255
-// from P in registers and 256-511 from its 32-byte-swizzled shared-memory block.
+// kernel's swizzled layouts, descriptors and accumulator mappings.
 void decode_sm90_probe(DType act, const void* q, const void* k, const float* p, float* s_out,
-                       float* o_out, cudaStream_t stream, bool ring = false);
+                       float* o_out, cudaStream_t stream);
 
 }  // namespace kmla::cuda

@@ -84,7 +84,7 @@ struct PlanTweak {
   int pair_keys = -1;
   bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
   int fp8_ctas = 0;  // > 0: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row kernels)
-  bool pass_major = false;  // DecodePlan::pass_major (balanced plans with several row tiles)
+  bool request_order = false;  // DecodePlan::pass_major off (the default walk is in pass order)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -311,7 +311,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
     if (tweak.pdl) plan.programmatic_combine = true;
     if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
-    if (tweak.pass_major) plan.pass_major = true;
+    if (tweak.request_order) plan.pass_major = false;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
@@ -327,7 +327,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
                  << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
                  << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
                  << ", fp8 CTAs/SM " << plan.fp8_ctas_per_sm
-                 << (plan.pass_major ? ", pass order" : ""));
+                 << (plan.pass_major ? "" : ", request order"));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);

@@ -317,13 +317,13 @@ TEST(CudaDecodeSched, MultiTokenRows) {
                {0, 16, false, 50},
                {0, 32, false, 9, 0, 0, 0},
                {0, 64, false, 200, 0, 0, 0},
-               {.rows_per_cta = 16, .workers = 50, .pass_major = true},
+               {.rows_per_cta = 16, .workers = 50, .request_order = true},
                {.rows_per_cta = 32,
                 .workers = 9,
                 .min_keys = 0,
                 .nosplit_keys = 0,
                 .pair_keys = 0,
-                .pass_major = true}});
+                .request_order = true}});
   c.causal = false;
   c.seed = 44;
   run_case(c, {{0, 0}, {0, 16, false, 31, 0, 0, 0}});
@@ -345,12 +345,13 @@ TEST(CudaDecodeSched, SixtyFourHeads) {
   c.query_lens = {1, 1, 1, 0, 2, 1, 1};
   c.seed = 46;
   run_case(
-      c, {{0, 0},
-          {0, 0, false, 5},
-          {0, 0, false, 300, 0, 0, 0},
-          {3, 0},
-          {.workers = 5, .pass_major = true},
-          {.workers = 300, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .pass_major = true}});
+      c,
+      {{0, 0},
+       {0, 0, false, 5},
+       {0, 0, false, 300, 0, 0, 0},
+       {3, 0},
+       {.workers = 5, .request_order = true},
+       {.workers = 300, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .request_order = true}});
 }
 
 // ---- the scheduler's arithmetic on the CPU ------------------------------------------------
@@ -1540,7 +1541,6 @@ void run_copy_issue_variants(const DecodeCase& c, const std::vector<PlanTweak>& 
     DecodeSm90Options opt = saved;
     opt.tma = true;
     opt.wide_s = true;
-    opt.seesaw = false;  // the copy issue of the two-stage wide S
     opt.issue_wg1 = variant == 1;
     opt.early_issue = variant == 2;
     decode_sm90_set_options(opt);

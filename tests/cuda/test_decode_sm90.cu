@@ -40,16 +40,9 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     const char* name;
     DecodeSm90Options opt;
   };
-  // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async, where
-  // the seesaw gives way to the wide S).
+  // TMA copies only for block sizes that are multiples of 8 (100 stays on cp.async).
   std::vector<Variant> variants = {{"tma, wide S", {}}};
   if (expect_sm90()) {
-    variants.push_back({"tma, seesaw", {.seesaw = true}});
-    variants.push_back({"tma, seesaw, late S of B, no rescale skip",
-                        {.skip_rescale = false, .seesaw = true, .seesaw_late_b = true}});
-    variants.push_back({"tma, seesaw on the four-stage ring", {.seesaw_ring = true}});
-    variants.push_back(
-        {"tma, seesaw ring, no rescale skip", {.skip_rescale = false, .seesaw_ring = true}});
     variants.push_back(
         {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
     variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
@@ -63,8 +56,8 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     hooks.check_plan = [&](const DecodeParams& p, const DecodePlan& plan) {
       if (!expect_sm90()) return;
       EXPECT_TRUE(decode_sm90_supports(p, plan)) << "not the sm90 kernel";
-      int want = 0;  // the largest of 64 (ring: 32), 32, 16, 8 keys dividing the block size
-      for (int g = v.opt.seesaw_ring ? 32 : 64; v.opt.tma && g >= 8 && want == 0; g /= 2)
+      int want = 0;  // the largest of 64, 32, 16, 8 keys dividing the block size
+      for (int g = 64; v.opt.tma && g >= 8 && want == 0; g /= 2)
         if (p.cache.block_size % g == 0) want = g;
       EXPECT_EQ(decode_sm90_tma_keys(p), want) << v.name;
     };
@@ -75,9 +68,10 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
 
 // Splits: the plan's choice, one (direct output), a few, and more than a short request has
 // 64-key tiles (empty splits write LSE -inf only); the balanced walk in pass order, on the
-// plan's workers and on 7 (pieces cut across passes). rows_per_cta stays 64: the wgmma tile.
-const std::vector<PlanTweak> kSm90Tweaks = {
-    {0, 0}, {1, 0}, {3, 0}, {40, 0}, {.pass_major = true}, {.workers = 7, .pass_major = true}};
+// plan's workers and on 7 (pieces cut across passes), and in request order. rows_per_cta
+// stays 64: the wgmma tile.
+const std::vector<PlanTweak> kSm90Tweaks = {{0, 0},  {1, 0},         {3, 0},
+                                            {40, 0}, {.workers = 7}, {.request_order = true}};
 
 TEST(CudaDecodeSm90, Bf16Heads128MixedLengths) {
   KMLA_REQUIRE_GPU();
@@ -253,62 +247,58 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
 TEST(CudaDecodeSm90, ProbeBuildingBlocks) {
   KMLA_REQUIRE_GPU();
   if (!expect_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  // The two-stage forms' 64-key tile, and the ring form's 32-key tile (its P V from registers
-  // for O's columns 0-255 and from the 32-byte-swizzled P block for 256-511).
-  for (const bool ring : {false, true})
-    for (DType act : {DType::bf16, DType::f16}) {
-      SCOPED_TRACE(::testing::Message() << dtype_name(act) << (ring ? ", ring" : ""));
-      const int keys = ring ? 32 : 64;
-      std::mt19937_64 rng(act == DType::bf16 ? 21 : 22);
-      std::uniform_real_distribution<float> uni(-1.0f, 1.0f), unit(0.0f, 1.0f);
-      const auto to_act = [&](float x) {
-        return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
-      };
-      std::vector<uint16_t> q(64 * kLatentDim), k(64 * kLatentDim);
-      std::vector<float> qf(q.size()), kf(k.size()), p(size_t(64 * keys)), pr(p.size());
-      for (size_t i = 0; i < q.size(); ++i) {
-        q[i] = to_act(uni(rng));
-        k[i] = to_act(uni(rng));
-        qf[i] = act_to_float(act, q[i]);
-        kf[i] = act_to_float(act, k[i]);
-      }
-      for (size_t i = 0; i < p.size(); ++i) {
-        p[i] = unit(rng);
-        pr[i] = act_to_float(act, to_act(p[i]));  // the kernel rounds P to act
-      }
-      DevBuf<uint16_t> d_q(q), d_k(k);
-      DevBuf<float> d_p(p), d_s(size_t(64 * keys)), d_o(64 * kKvLoraRank);
-      d_s.fill_bytes(0xFF);
-      d_o.fill_bytes(0xFF);
-      decode_sm90_probe(act, d_q.ptr, d_k.ptr, d_p.ptr, d_s.ptr, d_o.ptr, nullptr, ring);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> s = d_s.download(), o = d_o.download();
-      int bad = 0;
-      // got against sum_x a[x * sa] b[x * sb] over n terms in fp64: fp32 accumulation of exact
-      // products is off by a few 2^-24 of the magnitude sum; 1e-4 leaves room for the tensor
-      // cores' internal alignment and order, and is still ~100x below what one misplaced
-      // 8-element chunk or row changes.
-      auto check = [&](float got, const float* x, int sx, const float* y, int sy, int n,
-                       const std::string& what) {
-        double ref = 0.0, mag = 0.0;
-        for (int d = 0; d < n; ++d) {
-          ref += double(x[d * sx]) * y[d * sy];
-          mag += std::fabs(double(x[d * sx]) * y[d * sy]);
-        }
-        if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
-          ADD_FAILURE() << what << " = " << got << ", want " << ref;
-      };
-      for (int i = 0; i < 64; ++i)
-        for (int j = 0; j < keys; ++j)
-          check(s[i * keys + j], &qf[i * kLatentDim], 1, &kf[j * kLatentDim], 1, kLatentDim,
-                "S[" + std::to_string(i) + "][" + std::to_string(j) + "]");
-      for (int i = 0; i < 64; ++i)
-        for (int c = 0; c < kKvLoraRank; ++c)
-          check(o[i * kKvLoraRank + c], &pr[i * keys], 1, &kf[c], kLatentDim, keys,
-                "O[" + std::to_string(i) + "][" + std::to_string(c) + "]" +
-                    (c < 256 ? "" : " (P from shared memory)"));
-      EXPECT_EQ(bad, 0);
+  constexpr int keys = 64;
+  for (DType act : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(act));
+    std::mt19937_64 rng(act == DType::bf16 ? 21 : 22);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f), unit(0.0f, 1.0f);
+    const auto to_act = [&](float x) {
+      return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
+    };
+    std::vector<uint16_t> q(64 * kLatentDim), k(64 * kLatentDim);
+    std::vector<float> qf(q.size()), kf(k.size()), p(size_t(64 * keys)), pr(p.size());
+    for (size_t i = 0; i < q.size(); ++i) {
+      q[i] = to_act(uni(rng));
+      k[i] = to_act(uni(rng));
+      qf[i] = act_to_float(act, q[i]);
+      kf[i] = act_to_float(act, k[i]);
     }
+    for (size_t i = 0; i < p.size(); ++i) {
+      p[i] = unit(rng);
+      pr[i] = act_to_float(act, to_act(p[i]));  // the kernel rounds P to act
+    }
+    DevBuf<uint16_t> d_q(q), d_k(k);
+    DevBuf<float> d_p(p), d_s(size_t(64 * keys)), d_o(64 * kKvLoraRank);
+    d_s.fill_bytes(0xFF);
+    d_o.fill_bytes(0xFF);
+    decode_sm90_probe(act, d_q.ptr, d_k.ptr, d_p.ptr, d_s.ptr, d_o.ptr, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> s = d_s.download(), o = d_o.download();
+    int bad = 0;
+    // got against sum_x a[x * sa] b[x * sb] over n terms in fp64: fp32 accumulation of exact
+    // products is off by a few 2^-24 of the magnitude sum; 1e-4 leaves room for the tensor
+    // cores' internal alignment and order, and is still ~100x below what one misplaced
+    // 8-element chunk or row changes.
+    auto check = [&](float got, const float* x, int sx, const float* y, int sy, int n,
+                     const std::string& what) {
+      double ref = 0.0, mag = 0.0;
+      for (int d = 0; d < n; ++d) {
+        ref += double(x[d * sx]) * y[d * sy];
+        mag += std::fabs(double(x[d * sx]) * y[d * sy]);
+      }
+      if (!(std::fabs(got - ref) <= 1e-4 * mag + 1e-6) && ++bad <= 10)
+        ADD_FAILURE() << what << " = " << got << ", want " << ref;
+    };
+    for (int i = 0; i < 64; ++i)
+      for (int j = 0; j < keys; ++j)
+        check(s[i * keys + j], &qf[i * kLatentDim], 1, &kf[j * kLatentDim], 1, kLatentDim,
+              "S[" + std::to_string(i) + "][" + std::to_string(j) + "]");
+    for (int i = 0; i < 64; ++i)
+      for (int c = 0; c < kKvLoraRank; ++c)
+        check(o[i * kKvLoraRank + c], &pr[i * keys], 1, &kf[c], kLatentDim, keys,
+              "O[" + std::to_string(i) + "][" + std::to_string(c) + "]");
+    EXPECT_EQ(bad, 0);
+  }
 }
 
 }  // namespace
