@@ -655,8 +655,14 @@ void Blas::Impl::tune(const GemmKey& key, Plan& p, const void* a, const void* b,
   float heuristic_us = time_us(algos.front().algo);
   float best_us = heuristic_us;
   size_t best = 0;
+  std::string timings;  // every candidate's time, for the verbose log
   for (size_t i = 1; i < algos.size(); ++i) {
     const float us = time_us(algos[i].algo);
+    if (verbose) {
+      char t[32];
+      std::snprintf(t, sizeof t, ": %.1f us; ", double(us));
+      timings += algo_label(algos[i].algo) + t;
+    }
     if (us > 0.0f && (best_us <= 0.0f || us < best_us)) {
       best_us = us;
       best = i;
@@ -677,6 +683,7 @@ void Blas::Impl::tune(const GemmKey& key, Plan& p, const void* a, const void* b,
                 algos.size(), double(heuristic_us), double(best_us));
   log_once(describe(key) + buf + " (" + algo_label(algos[best].algo) + ")" +
            (take ? " -> taken" : " -> heuristic kept"));
+  log_once(describe(key) + ": the other candidates (-1: refused): " + timings);
 }
 
 Plan& Blas::Impl::plan(const GemmKey& key) {
