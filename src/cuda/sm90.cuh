@@ -210,12 +210,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// The same for an A fragment in registers, which an asynchronous MMA reads until its wait.
-template <int N>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
 
 // Accumulator layout of m64nN (fp32): warp w of the warpgroup holds rows 16w..16w+15; lane
 // (g = lane / 4, t = lane % 4) holds, for each 8-column block i, d[4i], d[4i+1] = row g,
@@ -339,21 +333,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
                : KMLA_SM90_ACC64                                                          \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),                 \
                  "r"(int(accumulate)))
-  KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
-#undef KMLA_SM90_MMA
-}
-
-// The same with N = 256, the fragment a[0..3].
-template <class T, bool kTransB>
-__device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint32_t* a,
-                                                    uint64_t desc_b, bool accumulate) {
-#define KMLA_SM90_MMA(TY, TB)                                                         \
-  asm volatile(                                                                       \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n"                                 \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " " KMLA_SM90_REGS128 \
-      ", {%128, %129, %130, %131}, %132, p, 1, 1, " TB ";\n}\n"                       \
-      : KMLA_SM90_ACC128                                                              \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)))
   KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
 #undef KMLA_SM90_MMA
 }
