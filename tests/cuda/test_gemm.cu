@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/gemm.cuh"
+#include "cuda/gemm_sm90.cuh"
 #include "cuda/gpu.hpp"
 #include "kmla/numeric.hpp"
 #include "kmla/weights.hpp"
@@ -222,6 +223,210 @@ TEST(CudaGemm, BatchedNnMlaAbsorption) {
                 24);
 }
 
+// ---- the few-token kernel (gemm_sm90.cuh) ----------------------------------------------------
+
+// Runs `g` (its A, W, C pointers replaced by device copies of a, w and a poisoned C of
+// c_elems) on the few-token kernel with `ctas` CTAs, twice, and checks: every C_b element
+// against the fp64 reference, every other element of C still poisoned, the two runs bitwise
+// equal (the split tiles' sums do not depend on timing). With one
+// batch entry, A's columns past K are NaN: the kernel must not read them.
+void check_skinny(SkinnyGemm g, int64_t a_elems, int64_t w_elems, int64_t c_elems, int ctas,
+                  uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << dtype_name(g.act) << " batch=" << g.batch << " M=" << g.M
+                                  << " N=" << g.N << " K=" << g.K << " lda=" << g.lda
+                                  << " ldw=" << g.ldw << " ldc=" << g.ldc
+                                  << (g.w_n_major ? " W [K, N]" : " W [N, K]") << " ctas=" << ctas);
+  std::mt19937 rng(seed);
+  auto a = random_act(size_t(a_elems), g.act, rng);
+  if (g.batch == 1)
+    for (int64_t m = 0; m < g.M; ++m)
+      for (int64_t k = g.K; k < g.lda; ++k) a[m * g.lda + k] = kPoison16;
+  const auto w = random_act(size_t(w_elems), g.act, rng, 0.25f);
+  DevBuf<uint16_t> da(a), dw(w), dc{size_t(c_elems)};
+  // The partials: 128 KB per slot, ctas + tiles - 1 slots at most.
+  const size_t ws_bytes = size_t(32) << 20;
+  DevBuf<float> ws(ws_bytes / sizeof(float));
+  ws.fill_bytes(0xFF);  // stale partials must never be read
+  g.A = da.ptr;
+  g.W = dw.ptr;
+  g.C = dc.ptr;
+  EXPECT_EQ(skinny_refusal(g), nullptr);
+  EXPECT_LE(ctas, skinny_ctas(g, 1 << 20, 1, ws_bytes)) << "test asks for more CTAs than fit";
+  std::vector<uint16_t> first;
+  for (int run = 0; run < 2; ++run) {
+    dc.fill_bytes(0xFF);
+    EXPECT_TRUE(skinny_gemm(g, ctas, ws.ptr, nullptr));
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto c = dc.download();
+    if (run == 1) {
+      EXPECT_TRUE(c == first) << "two runs differ";
+      break;
+    }
+    first = c;
+  }
+  std::vector<char> written(size_t(c_elems), 0);
+  int bad = 0;
+  for (int b = 0; b < g.batch; ++b)
+    for (int64_t m = 0; m < g.M; ++m)
+      for (int64_t n = 0; n < g.N; ++n) {
+        double sum = 0.0, sa = 0.0;
+        for (int64_t k = 0; k < g.K; ++k) {
+          const int64_t wi = b * g.stride_w + (g.w_n_major ? k * g.ldw + n : n * g.ldw + k);
+          const double p =
+              double(act_float(a[b * g.stride_a + m * g.lda + k], g.act)) * act_float(w[wi], g.act);
+          sum += p;
+          sa += std::fabs(p);
+        }
+        const int64_t at = b * g.stride_c + m * g.ldc + n;
+        written[at] = 1;
+        const double got = act_float(first[at], g.act), tol = tolerance(sum, sa, g.act);
+        if (!(std::fabs(got - sum) <= tol) && ++bad <= 5)
+          ADD_FAILURE() << "C_" << b << "(" << m << ", " << n << ") = " << got << ", want " << sum
+                        << " +- " << tol;
+      }
+  for (int64_t i = 0; i < c_elems; ++i)
+    if (!written[i] && first[i] != kPoison16 && ++bad <= 10)
+      ADD_FAILURE() << "element " << i << " outside every C_b was written";
+  EXPECT_EQ(bad, 0);
+}
+
+bool skinny_runs_here() {
+  SkinnyGemm probe;
+  probe.M = probe.N = probe.K = probe.lda = probe.ldw = probe.ldc = 8;
+  alignas(16) static const uint16_t dummy[8] = {};
+  probe.A = probe.W = dummy;
+  probe.C = const_cast<uint16_t*>(dummy);
+  return skinny_refusal(probe) == nullptr;
+}
+
+// K-major weights (Blas::linear): the K3 decode step's shapes and ragged ones (N and K off
+// the 256 / 64 tiles, M on both sides of the one-half / two-halves switch at 64), each cut
+// into several CTA counts: 1 (no split), a count that splits tiles unevenly, and one CTA per
+// unit. Tolerance: tolerance() above (fp32 accumulation, one rounding; K <= 1536 here).
+TEST(CudaGemm, SkinnyLinear) {
+  KMLA_REQUIRE_GPU();
+  if (!skinny_runs_here()) GTEST_SKIP() << "no sm_90a";
+  struct Case {
+    int64_t M, N, K, lda, ldc;
+  };
+  const Case cases[] = {
+      {1, 2112, 1024, 1024, 2112},    // one token
+      {64, 576, 1536, 1600, 600},     // one m64 half, strided A and C
+      {65, 1000, 200, 208, 1002},     // two halves, N and K tails
+      {128, 2304, 1536, 3648, 2312},  // q_b of the K3 decode step (A inside the front buffer)
+      {37, 8, 8, 8, 8},               // one k block, one partial tile
+  };
+  uint32_t seed = 300;
+  for (const Case& c : cases) {
+    SkinnyGemm g;
+    g.M = c.M;
+    g.N = c.N;
+    g.K = c.K;
+    g.lda = c.lda;
+    g.ldw = c.K;
+    g.ldc = c.ldc;
+    const int64_t units = ceil_div(c.N, 256) * ceil_div(c.K, 64);
+    for (int64_t ctas : {int64_t(1), std::min<int64_t>(units, 7), units})
+      check_skinny(g, c.M * c.lda, c.N * c.K, c.M * c.ldc, int(ctas), seed++);
+  }
+  SkinnyGemm h;  // f16
+  h.act = DType::f16;
+  h.M = 100;
+  h.N = 770;
+  h.K = 328;
+  h.lda = h.ldw = 328;
+  h.ldc = 770;
+  check_skinny(h, h.M * h.lda, h.N * h.K, h.M * h.ldc, 5, seed++);
+}
+
+// N-major weights (Blas::batched_nn): the absorbed W_UK_T (q_nope -> latent, rope tail left
+// alone) and W_UV products of the decode step with the layer's strides, over several heads.
+TEST(CudaGemm, SkinnyBatchedNMajor) {
+  KMLA_REQUIRE_GPU();
+  if (!skinny_runs_here()) GTEST_SKIP() << "no sm_90a";
+  for (const DType act : {DType::bf16, DType::f16}) {
+    constexpr int H = 3;
+    for (const int64_t T : {int64_t(5), int64_t(128)}) {
+      SkinnyGemm uk;  // [T, H, 192] q rows -> [T, H, 576] rows, the first 512 of each
+      uk.act = act;
+      uk.batch = H;
+      uk.M = T;
+      uk.N = 512;
+      uk.K = 128;
+      uk.lda = H * 192;
+      uk.stride_a = 192;
+      uk.ldw = 512;
+      uk.stride_w = 128 * 512;
+      uk.w_n_major = true;
+      uk.ldc = H * 576;
+      uk.stride_c = 576;
+      for (int ctas : {1, 4, 24})
+        check_skinny(uk, T * H * 192, H * 128 * 512, T * H * 576, ctas, uint32_t(400 + ctas + T));
+      SkinnyGemm uv;  // latent rows [T, H, 512] -> out rows of H * 128 + 8
+      uv.act = act;
+      uv.batch = H;
+      uv.M = T;
+      uv.N = 128;
+      uv.K = 512;
+      uv.lda = H * 512;
+      uv.stride_a = 512;
+      uv.ldw = 128;
+      uv.stride_w = 512 * 128;
+      uv.w_n_major = true;
+      uv.ldc = H * 128 + 8;
+      uv.stride_c = 128;
+      for (int ctas : {1, 5, 24})
+        check_skinny(uv, T * H * 512, H * 512 * 128, T * (H * 128 + 8), ctas,
+                     uint32_t(500 + ctas + T));
+    }
+  }
+}
+
+// What the kernel refuses, and Blas sending exactly the eligible calls to it.
+TEST(CudaGemm, SkinnyRefusalsAndRouting) {
+  KMLA_REQUIRE_GPU();
+  if (!skinny_runs_here()) GTEST_SKIP() << "no sm_90a";
+  DevBuf<uint16_t> buf(size_t(1) << 16);
+  SkinnyGemm g;
+  g.M = 16;
+  g.N = 64;
+  g.K = 64;
+  g.lda = g.ldw = g.ldc = 64;
+  g.A = g.W = g.C = buf.ptr;
+  EXPECT_EQ(skinny_refusal(g), nullptr);
+  SkinnyGemm bad = g;
+  bad.M = 129;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "M > 128";
+  bad = g;
+  bad.N = 63;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "odd N";
+  bad = g;
+  bad.lda = 68;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "lda not a multiple of 8";
+  bad = g;
+  bad.A = buf.ptr + 1;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "A 2-byte aligned";
+  bad = g;
+  bad.act = DType::f32;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "f32";
+  bad = g;
+  bad.batch = 2;
+  EXPECT_NE(skinny_refusal(bad), nullptr) << "zero batch strides";
+
+  Blas blas;
+  check_linear(blas, DType::bf16, 3, 576, 1536, 1600, 600, 0, 31);  // eligible
+  EXPECT_EQ(blas.skinny_launches(), 1);
+  check_linear(blas, DType::bf16, 129, 320, 1024, 1032, 328, 0, 32);  // M > 128: cuBLASLt
+  check_linear(blas, DType::bf16, 5, 40, 72, 75, 41, 1, 33);          // 2-byte aligned: cuBLASLt
+  EXPECT_EQ(blas.skinny_launches(), 1);
+  check_batched(blas, DType::bf16, 3, 5, 128, 512, 3 * 576, 576, 5 * 3 * 576, 128, 512 * 128,
+                3 * 128 + 8, 128, 5 * (3 * 128 + 8), 34);
+  EXPECT_EQ(blas.skinny_launches(), 2);
+  blas.set_skinny(false);
+  check_linear(blas, DType::bf16, 3, 576, 1536, 1600, 600, 0, 35);
+  EXPECT_EQ(blas.skinny_launches(), 2);
+}
+
 // ---- tuning --------------------------------------------------------------------------------
 
 // KMLA_GEMM_TUNE=0 turns Blas tuning into a no-op (A/B timings): the tuning tests skip then.
@@ -239,6 +444,7 @@ TEST(CudaGemm, TuningKeepsResults) {
   KMLA_REQUIRE_GPU();
   if (tuning_off()) GTEST_SKIP() << "KMLA_GEMM_TUNE=0";
   Blas blas;
+  blas.set_skinny(false);  // cuBLASLt's shapes, whatever the device
   blas.set_tuning(true);
   // The K3 decode step's q_b (deep K, few CTAs without split-K) with a padded ldc.
   check_linear(blas, DType::bf16, 64, 2304, 1536, 1536, 2312, 0, 71);
