@@ -20,6 +20,7 @@
 #include "bench/cases.hpp"
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
+#include "cuda/gemm.cuh"
 #include "kmla/batch.hpp"
 #include "kmla/cache.hpp"
 #include "kmla/config.hpp"
@@ -689,6 +690,38 @@ Result run_chunked_prefill(const Case& c, Context& ctx) {
   return r;
 }
 
+// One projection alone: Blas as the layer calls it, then tuned cuBLASLt on the same operands
+// (the reference: floor_us). The activations sit like the layer's (A_b at b * k in rows of
+// batch * k, C_b at b * n in rows of batch * n). Bytes: the weights, which every path must
+// read; the activations (L2-sized) and outputs are left out.
+Result run_gemm(const Case& c, Context& ctx) {
+  const cudaStream_t s = ctx.stream;
+  const int64_t m = c.tokens, n = c.gemm_n, k = c.gemm_k, b = c.batch;
+  DeviceBuffer a = device_alloc(size_t(m * b * k) * 2), w = device_alloc(size_t(b * n * k) * 2),
+               out = device_alloc(size_t(m * b * n) * 2);
+  fill_random(a.data(), a.bytes(), Fill::bf16, 61, 1.0f, s);
+  fill_random(w.data(), w.bytes(), Fill::bf16, 62, 0.05f, s);
+  auto call = [&](const cuda::Blas& blas) {
+    if (c.gemm_n_major)
+      blas.batched_nn(int(b), m, n, k, a.data(), b * k, k, w.data(), n, k * n, out.data(), b * n, n,
+                      DType::bf16, s);
+    else
+      blas.linear(m, n, k, a.data(), k, w.data(), out.data(), n, DType::bf16, s);
+  };
+  cuda::Blas layer_blas, lt;
+  lt.set_skinny(false);
+  lt.set_tuning(true);
+  call(lt);  // tunes (synchronizes s) unless KMLA_GEMM_TUNE=0
+  lt.set_tuning(false);
+  Result r;
+  r.us = ctx.timer.median_us([&] { call(layer_blas); }, ctx.warmup, ctx.iters);
+  r.floor_us = ctx.timer.median_us([&] { call(lt); }, ctx.warmup, ctx.iters);
+  r.floor_name = "cuBLASLt";
+  r.bytes = double(b * n * k) * 2;
+  r.flops = 2.0 * double(b * m * n * k);
+  return r;
+}
+
 Result run_case(const Case& c, Context& ctx) {
   Result r;
   try {
@@ -698,6 +731,9 @@ Result run_case(const Case& c, Context& ctx) {
       case Kind::layer_decode: r = run_layer_decode(c, ctx); break;
       case Kind::layer_prefill: r = run_layer_prefill(c, ctx); break;
       case Kind::chunked_prefill: r = run_chunked_prefill(c, ctx); break;
+      case Kind::gemm:
+        r = run_gemm(c, ctx);
+        break;
     }
     KMLA_CUDA_CHECK(cudaStreamSynchronize(ctx.stream));  // late faults belong to this case
   } catch (const std::exception& e) {
@@ -732,6 +768,12 @@ json case_json(const Case& c, const Result& r, double copy_gb_s) {
     j["block_size"] = c.block_size;
   } else {
     j["tokens"] = c.tokens;
+  }
+  if (c.kind == Kind::gemm) {
+    j["batch"] = c.batch;
+    j["n"] = c.gemm_n;
+    j["k"] = c.gemm_k;
+    j["w_n_major"] = c.gemm_n_major;
   }
   if (c.kind != Kind::prefill) j["cache_format"] = cache_format_name(c.format);
   if (c.cp > 1) j["cp"] = c.cp;

@@ -87,6 +87,8 @@ const char* kind_name(Kind k) {
     case Kind::layer_decode: return "layer-decode";
     case Kind::layer_prefill: return "layer-prefill";
     case Kind::chunked_prefill: return "chunked-prefill";
+    case Kind::gemm:
+      return "gemm";
   }
   return "?";
 }
@@ -114,6 +116,15 @@ Case prefill_fp8_case(int tokens, int heads, bool causal) {
   c.fp8 = true;
   c.name = "prefill/fp8_t" + std::to_string(tokens) + "_h" + std::to_string(heads) +
            (causal ? "_causal" : "_noncausal");
+  return c;
+}
+
+Case gemm_case(int batch, int tokens, int n, int k, bool n_major) {
+  Case c;
+  c.kind = Kind::gemm;
+  c.batch = batch, c.tokens = tokens, c.gemm_n = n, c.gemm_k = k, c.gemm_n_major = n_major;
+  c.name = (batch > 1 ? "gemm/batched" + std::to_string(batch) : std::string("gemm/linear")) +
+           "_m" + std::to_string(tokens) + "_n" + std::to_string(n) + "_k" + std::to_string(k);
   return c;
 }
 
@@ -217,6 +228,13 @@ std::vector<Case> standard_cases() {
           {8192, 5000, 4096, 3333, 2500, 2048, 1800, 1500, 1200, 1025, 1000, 513, 300, 255, 3, 1},
           16),
       chunked_prefill_case("kimi-k3", 6, 8192, 24576, 4),
+      // The K3 decode step's projections at 12 heads, 128 tokens: [q_a; kv_a; g], q_b, the
+      // absorbed W_UK_T (with the rope identity) and W_UV, o_proj.
+      gemm_case(1, 128, 3648, 7168, false),
+      gemm_case(1, 128, 2304, 1536, false),
+      gemm_case(12, 128, 576, 192, true),
+      gemm_case(12, 128, 128, 512, true),
+      gemm_case(1, 128, 7168, 1536, false),
   };
   return v;
 }

@@ -47,7 +47,7 @@ double weight_bytes(const MlaWeights& w);
 
 // ---- cases -------------------------------------------------------------------------------
 
-enum class Kind { decode, prefill, layer_decode, layer_prefill, chunked_prefill };
+enum class Kind { decode, prefill, layer_decode, layer_prefill, chunked_prefill, gemm };
 const char* kind_name(Kind k);
 
 struct Case {
@@ -68,6 +68,10 @@ struct Case {
   // layer-prefill, chunked-prefill: tokens already cached before the `tokens` new ones, and
   // the number of context chunks the layer gathers them in.
   int context = 0, chunks = 1;
+  // gemm: `batch` products C_b[tokens, gemm_n] = A_b[tokens, gemm_k] . W_b with W_b [gemm_n,
+  // gemm_k] (Blas::linear, batch 1) or [gemm_k, gemm_n] (Blas::batched_nn, gemm_n_major).
+  int gemm_n = 0, gemm_k = 0;
+  bool gemm_n_major = false;
 };
 
 Case decode_case(int batch, int heads, int seq, int q_len, CacheFormat f = CacheFormat::bf16,
@@ -92,6 +96,11 @@ Case varlen_prefill_case(const std::vector<int>& lengths, int heads);
 // attention over the new tokens, against the time the same (query, key) pairs take at the
 // single-sequence prefill rate (bench.cu: run_chunked_prefill).
 Case chunked_prefill_case(const std::string& model, int tp, int tokens, int context, int chunks);
+
+// One projection of the decode step alone ("gemm/..."): timed through Blas as the layer runs
+// it (the few-token kernel on Hopper) and through tuned cuBLASLt in the same run; its report
+// line gives the weight bytes against the copy bandwidth and cuBLASLt's time as the reference.
+Case gemm_case(int batch, int tokens, int n, int k, bool n_major);
 
 // `n` lengths in [mean / 2, 3 mean / 2], at least 1, deterministic: a spread that averages
 // about `mean` and puts most requests off block boundaries.
