@@ -873,17 +873,8 @@ void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, c
   KMLA_CHECK(M >= 0 && N > 0 && K > 0 && lda >= K && ldc >= N, "linear: bad shape M=", M, " N=", N,
              " K=", K, " lda=", lda, " ldc=", ldc);
   if (M == 0) return;
-  SkinnyGemm g;
-  g.M = M;
-  g.N = N;
-  g.K = K;
-  g.A = A;
-  g.lda = lda;
-  g.W = W;
-  g.ldw = K;
-  g.C = C;
-  g.ldc = ldc;
-  g.act = act;
+  const SkinnyGemm g{
+      .M = M, .N = N, .K = K, .A = A, .lda = lda, .W = W, .ldw = K, .C = C, .ldc = ldc, .act = act};
   if (impl_->try_skinny(g, stream)) return;
   const int64_t e = int64_t(dtype_size(act));
   GemmKey key;
@@ -909,22 +900,21 @@ void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A,
              "batched_nn: bad shape batch=", batch, " M=", M, " N=", N, " K=", K, " lda=", lda,
              " ldb=", ldb, " ldc=", ldc, " strides ", strideA, ", ", strideB, ", ", strideC);
   if (batch == 0 || M == 0) return;
-  SkinnyGemm g;
-  g.batch = batch;
-  g.M = M;
-  g.N = N;
-  g.K = K;
-  g.A = A;
-  g.lda = lda;
-  g.stride_a = strideA;
-  g.W = B;
-  g.ldw = ldb;
-  g.stride_w = strideB;
-  g.w_n_major = true;
-  g.C = C;
-  g.ldc = ldc;
-  g.stride_c = strideC;
-  g.act = act;
+  const SkinnyGemm g{.batch = batch,
+                     .M = M,
+                     .N = N,
+                     .K = K,
+                     .A = A,
+                     .lda = lda,
+                     .stride_a = strideA,
+                     .W = B,
+                     .ldw = ldb,
+                     .stride_w = strideB,
+                     .w_n_major = true,
+                     .C = C,
+                     .ldc = ldc,
+                     .stride_c = strideC,
+                     .act = act};
   if (impl_->try_skinny(g, stream)) return;
   const int64_t e = int64_t(dtype_size(act));
   GemmKey key;

@@ -318,24 +318,13 @@ TEST(CudaGemm, SkinnyLinear) {
   };
   uint32_t seed = 300;
   for (const Case& c : cases) {
-    SkinnyGemm g;
-    g.M = c.M;
-    g.N = c.N;
-    g.K = c.K;
-    g.lda = c.lda;
-    g.ldw = c.K;
-    g.ldc = c.ldc;
+    const SkinnyGemm g{.M = c.M, .N = c.N, .K = c.K, .lda = c.lda, .ldw = c.K, .ldc = c.ldc};
     const int64_t units = ceil_div(c.N, 256) * ceil_div(c.K, 64);
     for (int64_t ctas : {int64_t(1), std::min<int64_t>(units, 7), units})
       check_skinny(g, c.M * c.lda, c.N * c.K, c.M * c.ldc, int(ctas), seed++);
   }
-  SkinnyGemm h;  // f16
-  h.act = DType::f16;
-  h.M = 100;
-  h.N = 770;
-  h.K = 328;
-  h.lda = h.ldw = 328;
-  h.ldc = 770;
+  const SkinnyGemm h{
+      .M = 100, .N = 770, .K = 328, .lda = 328, .ldw = 328, .ldc = 770, .act = DType::f16};
   check_skinny(h, h.M * h.lda, h.N * h.K, h.M * h.ldc, 5, seed++);
 }
 
@@ -347,35 +336,35 @@ TEST(CudaGemm, SkinnyBatchedNMajor) {
   for (const DType act : {DType::bf16, DType::f16}) {
     constexpr int H = 3;
     for (const int64_t T : {int64_t(5), int64_t(128)}) {
-      SkinnyGemm uk;  // [T, H, 192] q rows -> [T, H, 576] rows, the first 512 of each
-      uk.act = act;
-      uk.batch = H;
-      uk.M = T;
-      uk.N = 512;
-      uk.K = 128;
-      uk.lda = H * 192;
-      uk.stride_a = 192;
-      uk.ldw = 512;
-      uk.stride_w = 128 * 512;
-      uk.w_n_major = true;
-      uk.ldc = H * 576;
-      uk.stride_c = 576;
-      for (int ctas : {1, 4, 24})
+      // q rows [T, H, 192] -> rows [T, H, 576], the first 512 of each.
+      const SkinnyGemm uk{.batch = H,
+                          .M = T,
+                          .N = 512,
+                          .K = 128,
+                          .lda = H * 192,
+                          .stride_a = 192,
+                          .ldw = 512,
+                          .stride_w = 128 * 512,
+                          .w_n_major = true,
+                          .ldc = H * 576,
+                          .stride_c = 576,
+                          .act = act};
+      for (int ctas : {1, 5, 12})  // 12 units: 3 heads x 2 tiles x 2 k blocks
         check_skinny(uk, T * H * 192, H * 128 * 512, T * H * 576, ctas, uint32_t(400 + ctas + T));
-      SkinnyGemm uv;  // latent rows [T, H, 512] -> out rows of H * 128 + 8
-      uv.act = act;
-      uv.batch = H;
-      uv.M = T;
-      uv.N = 128;
-      uv.K = 512;
-      uv.lda = H * 512;
-      uv.stride_a = 512;
-      uv.ldw = 128;
-      uv.stride_w = 512 * 128;
-      uv.w_n_major = true;
-      uv.ldc = H * 128 + 8;
-      uv.stride_c = 128;
-      for (int ctas : {1, 5, 24})
+      // Latent rows [T, H, 512] -> out rows of H * 128 + 8.
+      const SkinnyGemm uv{.batch = H,
+                          .M = T,
+                          .N = 128,
+                          .K = 512,
+                          .lda = H * 512,
+                          .stride_a = 512,
+                          .ldw = 128,
+                          .stride_w = 512 * 128,
+                          .w_n_major = true,
+                          .ldc = H * 128 + 8,
+                          .stride_c = 128,
+                          .act = act};
+      for (int ctas : {1, 5, 24})  // 24 units: 3 heads x 8 k blocks
         check_skinny(uv, T * H * 512, H * 512 * 128, T * (H * 128 + 8), ctas,
                      uint32_t(500 + ctas + T));
     }
@@ -387,12 +376,15 @@ TEST(CudaGemm, SkinnyRefusalsAndRouting) {
   KMLA_REQUIRE_GPU();
   if (!skinny_runs_here()) GTEST_SKIP() << "no sm_90a";
   DevBuf<uint16_t> buf(size_t(1) << 16);
-  SkinnyGemm g;
-  g.M = 16;
-  g.N = 64;
-  g.K = 64;
-  g.lda = g.ldw = g.ldc = 64;
-  g.A = g.W = g.C = buf.ptr;
+  const SkinnyGemm g{.M = 16,
+                     .N = 64,
+                     .K = 64,
+                     .A = buf.ptr,
+                     .lda = 64,
+                     .W = buf.ptr,
+                     .ldw = 64,
+                     .C = buf.ptr,
+                     .ldc = 64};
   EXPECT_EQ(skinny_refusal(g), nullptr);
   SkinnyGemm bad = g;
   bad.M = 129;
