@@ -423,6 +423,7 @@ struct Blas::Impl {
   // its partials share `workspace` (calls on a Blas are stream-ordered).
   bool skinny = true;
   int skinny_min_units = 2;  // KMLA_GEMM_SKINNY_UNITS: fewest (tile, k block) units per CTA
+  bool skinny_pdl = true;    // KMLA_GEMM_SKINNY_PDL=0: the reduction as a plain launch
   int sms = 0;
   int64_t skinny_launches = 0;
   std::mutex mutex;  // guards plans, logged, tuning, the skinny fields and the fp8 descriptors'
@@ -474,7 +475,7 @@ struct Blas::Impl {
       return false;
     }
     const int ctas = skinny_ctas(g, sms, skinny_min_units, kWorkspaceBytes);
-    if (ctas == 0 || !skinny_gemm(g, ctas, workspace, stream)) {
+    if (ctas == 0 || !skinny_gemm(g, ctas, workspace, stream, skinny_pdl)) {
       log_once(what + (ctas == 0 ? ": refused (workspace)" : ": refused (tensor maps)"));
       return false;
     }
@@ -816,6 +817,8 @@ Blas::Blas() {
   // KMLA_GEMM_SKINNY_UNITS=n sets the fewest work units per CTA of the few-token kernel.
   env = std::getenv("KMLA_GEMM_SKINNY");
   impl->skinny = env == nullptr || std::strcmp(env, "0") != 0;
+  env = std::getenv("KMLA_GEMM_SKINNY_PDL");
+  impl->skinny_pdl = env == nullptr || std::strcmp(env, "0") != 0;
   env = std::getenv("KMLA_GEMM_SKINNY_UNITS");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;

@@ -114,6 +114,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_mbarrier_init();
   }
   __syncthreads();
+  // The reduction kernel may be scheduled now: it waits for this whole grid (griddepcontrol
+  // .wait) and only takes SMs this grid has left.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int g = blockIdx.x;
   const int u_begin = unit_begin(p, g), u_end = unit_begin(p, g + 1);
   constexpr uint32_t kTxBytes = kWBytes + kMTiles * kXHalfBytes;
@@ -225,6 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // CTA are skipped.
 template <class T, int kMTiles>
 __global__ void __launch_bounds__(256) skinny_reduce_kernel(const SkinnyParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the GEMM (skinny_gemm): wait for all of it.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   constexpr int64_t kSlotVecs = slot_vecs(kMTiles);
   const int64_t total = int64_t(p.units / p.kb) * kSlotVecs;
   const float4* slots = reinterpret_cast<const float4*>(p.partials);
@@ -307,7 +314,7 @@ int skinny_ctas(const SkinnyGemm& g, int sms, int min_units, size_t workspace_by
   return ctas < 1 ? 0 : int(ctas);
 }
 
-bool skinny_gemm(const SkinnyGemm& g, int ctas, void* workspace, cudaStream_t stream) {
+bool skinny_gemm(const SkinnyGemm& g, int ctas, void* workspace, cudaStream_t stream, bool pdl) {
   const int64_t e = int64_t(dtype_size(g.act));
   const int m_tiles = m_tiles_of(g);
   const cuuint64_t batch = cuuint64_t(g.batch);
@@ -349,8 +356,16 @@ bool skinny_gemm(const SkinnyGemm& g, int ctas, void* workspace, cudaStream_t st
       KMLA_LAUNCH_CHECK();
       if (!split) return;
       const int64_t vecs = int64_t(p.units / p.kb) * slot_vecs(m_tiles);
-      reduce<<<int(std::min<int64_t>(ceil_div(vecs, 256), 4096)), 256, 0, stream>>>(p);
-      KMLA_LAUNCH_CHECK();
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(unsigned(std::min<int64_t>(ceil_div(vecs, 256), 4096)));
+      cfg.blockDim = dim3(256);
+      cfg.stream = stream;
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = pdl ? 1 : 0;
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, reduce, p));
     };
     if (g.w_n_major)
       m_tiles == 1 ? launch(skinny_gemm_kernel<T, 1, true>, skinny_reduce_kernel<T, 1>)

@@ -49,9 +49,11 @@ const char* skinny_refusal(const SkinnyGemm& g);
 int skinny_ctas(const SkinnyGemm& g, int sms, int min_units, size_t workspace_bytes);
 
 // Launches the kernel on `stream` with `ctas` CTAs (skinny_ctas), and the reduction of split
-// tiles after it. `workspace` (at least workspace_bytes, as passed to skinny_ctas) holds the
+// tiles after it (`pdl`: as a programmatic dependent launch, which hides its launch behind
+// the GEMM's tail). `workspace` (at least workspace_bytes, as passed to skinny_ctas) holds the
 // partials; calls sharing it must be stream-ordered. False if the driver cannot encode the
 // tensor maps (nothing launched).
-bool skinny_gemm(const SkinnyGemm& g, int ctas, void* workspace, cudaStream_t stream);
+bool skinny_gemm(const SkinnyGemm& g, int ctas, void* workspace, cudaStream_t stream,
+                 bool pdl = true);
 
 }  // namespace kmla::cuda
