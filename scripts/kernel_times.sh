@@ -28,7 +28,7 @@ for r in csv.DictReader(lines[start:]):
     if r.get("Metric Name") != "gpu__time_duration.sum":
         continue
     key = (r["Kernel Name"][:70], r["Grid Size"])
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r["Metric Unit"], 1.0)
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r["Metric Unit"]]
     if key not in times:
         times[key] = []
         order.append(key)

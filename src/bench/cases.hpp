@@ -97,9 +97,9 @@ Case varlen_prefill_case(const std::vector<int>& lengths, int heads);
 // single-sequence prefill rate (bench.cu: run_chunked_prefill).
 Case chunked_prefill_case(const std::string& model, int tp, int tokens, int context, int chunks);
 
-// One projection of the decode step alone ("gemm/..."): timed through Blas as the layer runs
-// it (the few-token kernel on Hopper) and through tuned cuBLASLt in the same run; its report
-// line gives the weight bytes against the copy bandwidth and cuBLASLt's time as the reference.
+// One projection of the decode step alone ("gemm/..."), through Blas tuned as the layer's
+// GEMMs are; its report line gives the weight bytes against the copy bandwidth and the
+// untuned heuristic's time, measured in the same run, as the reference.
 Case gemm_case(int batch, int tokens, int n, int k, bool n_major);
 
 // `n` lengths in [mean / 2, 3 mean / 2], at least 1, deterministic: a spread that averages

@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "cuda/gemm.cuh"
-#include "cuda/gemm_sm90.cuh"
 
 namespace kmla::cuda {
 
@@ -419,15 +418,7 @@ struct Blas::Impl {
   void* flush = nullptr;     // tuning's L2 flush buffer (2x the L2), while tuning
   size_t flush_bytes = 0;
   int* flush_sink = nullptr;
-  // The few-token kernel (gemm_sm90.cuh): on unless KMLA_GEMM_SKINNY=0 or set_skinny(false);
-  // its partials share `workspace` (calls on a Blas are stream-ordered).
-  bool skinny = true;
-  int skinny_min_units = 2;  // KMLA_GEMM_SKINNY_UNITS: fewest (tile, k block) units per CTA
-  bool skinny_pdl = true;    // KMLA_GEMM_SKINNY_PDL=0: the reduction as a plain launch
-  int sms = 0;
-  int64_t skinny_launches = 0;
-  std::mutex mutex;  // guards plans, logged, tuning, the skinny fields and the fp8 descriptors'
-                     // scale pointers
+  std::mutex mutex;  // guards plans, logged, tuning and the fp8 descriptors' scale pointers
   std::map<GemmKey, std::unique_ptr<Plan>> plans;
   std::set<std::string> logged;  // verbose lines already printed (each is printed once)
 
@@ -460,29 +451,6 @@ struct Blas::Impl {
   // Synchronizes `stream`. Caller holds the mutex.
   void tune(const GemmKey& key, Plan& p, const void* a, const void* b, void* d,
             cudaStream_t stream);
-
-  // Runs `g` on the few-token kernel if it is on and takes the call; false: the caller goes to
-  // cuBLASLt. Logs (verbose) the first decision per shape.
-  bool try_skinny(const SkinnyGemm& g, cudaStream_t stream) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!skinny) return false;
-    const std::string what = "skinny " + std::string(dtype_name(g.act)) +
-                             " batch=" + std::to_string(g.batch) + " M=" + std::to_string(g.M) +
-                             " N=" + std::to_string(g.N) + " K=" + std::to_string(g.K) +
-                             (g.w_n_major ? " W [K, N]" : " W [N, K]");
-    if (const char* why = skinny_refusal(g)) {
-      log_once(what + ": refused (" + why + ")");
-      return false;
-    }
-    const int ctas = skinny_ctas(g, sms, skinny_min_units, kWorkspaceBytes);
-    if (ctas == 0 || !skinny_gemm(g, ctas, workspace, stream, skinny_pdl)) {
-      log_once(what + (ctas == 0 ? ": refused (workspace)" : ": refused (tensor maps)"));
-      return false;
-    }
-    log_once(what + ": " + std::to_string(ctas) + " CTAs");
-    ++skinny_launches;
-    return true;
-  }
 
   // D = A . B through the plan for a 16-bit key (linear, batched_nn): alpha 1, beta 0, C = D.
   // Takes the mutex; tunes the plan first when tuning is on, it is not tuned yet and `stream`
@@ -804,7 +772,6 @@ Blas::Blas() {
       cudaDeviceGetAttribute(&impl->cc_minor, cudaDevAttrComputeCapabilityMinor, device));
   KMLA_CUBLASLT_CHECK(cublasLtCreate(&impl->handle));
   KMLA_CUDA_CHECK(cudaMalloc(&impl->workspace, kWorkspaceBytes));
-  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&impl->sms, cudaDevAttrMultiProcessorCount, device));
   // KMLA_GEMM_FALLBACK=1 forces linear_fp8 onto the fallback kernel (testing, A/B comparisons);
   // KMLA_GEMM_VERBOSE=1 logs plan decisions and cuBLASLt statuses to stderr.
   const char* env = std::getenv("KMLA_GEMM_FALLBACK");
@@ -813,20 +780,6 @@ Blas::Blas() {
   impl->verbose = env != nullptr && std::strcmp(env, "1") == 0;
   env = std::getenv("KMLA_GEMM_TUNE");
   impl->tune_allowed = env == nullptr || std::strcmp(env, "0") != 0;
-  // KMLA_GEMM_SKINNY=0 sends the few-token products to cuBLASLt (A/B timings);
-  // KMLA_GEMM_SKINNY_UNITS=n sets the fewest work units per CTA of the few-token kernel.
-  env = std::getenv("KMLA_GEMM_SKINNY");
-  impl->skinny = env == nullptr || std::strcmp(env, "0") != 0;
-  env = std::getenv("KMLA_GEMM_SKINNY_PDL");
-  impl->skinny_pdl = env == nullptr || std::strcmp(env, "0") != 0;
-  env = std::getenv("KMLA_GEMM_SKINNY_UNITS");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long units = std::strtol(env, &end, 10);
-    KMLA_CHECK(*end == '\0' && units >= 1 && units <= 4096,
-               "KMLA_GEMM_SKINNY_UNITS must be an integer in 1..4096, got '", env, "'");
-    impl->skinny_min_units = int(units);
-  }
   impl->log_once("cuBLASLt " + std::to_string(cublasLtGetVersion()) + " (headers " +
                  std::to_string(CUBLAS_VERSION) + "), device sm_" + std::to_string(impl->cc_major) +
                  std::to_string(impl->cc_minor));
@@ -854,16 +807,6 @@ void Blas::set_tuning(bool on) {
   }
 }
 
-void Blas::set_skinny(bool on) {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  impl_->skinny = on;
-}
-
-int64_t Blas::skinny_launches() const {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->skinny_launches;
-}
-
 int Blas::tuned_shapes() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   int n = 0;
@@ -876,9 +819,6 @@ void Blas::linear(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, c
   KMLA_CHECK(M >= 0 && N > 0 && K > 0 && lda >= K && ldc >= N, "linear: bad shape M=", M, " N=", N,
              " K=", K, " lda=", lda, " ldc=", ldc);
   if (M == 0) return;
-  const SkinnyGemm g{
-      .M = M, .N = N, .K = K, .A = A, .lda = lda, .W = W, .ldw = K, .C = C, .ldc = ldc, .act = act};
-  if (impl_->try_skinny(g, stream)) return;
   const int64_t e = int64_t(dtype_size(act));
   GemmKey key;
   key.kind = GemmKind::linear;
@@ -903,22 +843,6 @@ void Blas::batched_nn(int batch, int64_t M, int64_t N, int64_t K, const void* A,
              "batched_nn: bad shape batch=", batch, " M=", M, " N=", N, " K=", K, " lda=", lda,
              " ldb=", ldb, " ldc=", ldc, " strides ", strideA, ", ", strideB, ", ", strideC);
   if (batch == 0 || M == 0) return;
-  const SkinnyGemm g{.batch = batch,
-                     .M = M,
-                     .N = N,
-                     .K = K,
-                     .A = A,
-                     .lda = lda,
-                     .stride_a = strideA,
-                     .W = B,
-                     .ldw = ldb,
-                     .stride_w = strideB,
-                     .w_n_major = true,
-                     .C = C,
-                     .ldc = ldc,
-                     .stride_c = strideC,
-                     .act = act};
-  if (impl_->try_skinny(g, stream)) return;
   const int64_t e = int64_t(dtype_size(act));
   GemmKey key;
   key.kind = GemmKind::batched_nn;

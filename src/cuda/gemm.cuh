@@ -90,15 +90,6 @@ class Blas {
   // How many shapes tuning has timed so far (tests, logs).
   int tuned_shapes() const;
 
-  // The few-token kernel (gemm_sm90.cuh): on Hopper, linear and batched_nn calls of at most
-  // 128 rows (M) with 16-byte aligned A and W rows and 4-byte aligned C rows run it instead
-  // of cuBLASLt; tuning never sees them. On by default; set_skinny(false) or the environment
-  // variable KMLA_GEMM_SKINNY=0 (read by the constructor) turns it off. Results follow the same
-  // rule (fp32 accumulation, one rounding) and do not depend on timing.
-  void set_skinny(bool on);
-  // Calls the few-token kernel has served so far (tests).
-  int64_t skinny_launches() const;
-
   struct Impl;
 
  private:
