@@ -1576,5 +1576,152 @@ TEST(CudaDecode, Sm90CopyIssueVariants) {
   run_copy_issue_variants(c, {{0, 0}, {1, 0}, {4, 0}});
 }
 
+// ---- the L2 prefetch (decode_prefetch) ---------------------------------------------------
+// What the prefetch should ask for in each cache block: the first `budget` bytes of keys of
+// every CTA of the split kernel's grid, replayed here (the balanced walk of every worker, or
+// the per-request splits of row tile 0), rounded down to 16 bytes per block, nothing for a
+// block id outside the cache. `a` holds host copies of the lengths.
+template <int ROWS, int KEY_TILE>
+std::vector<int64_t> expected_prefetch(const DecodeArgs& a, int64_t budget,
+                                       const std::vector<int32_t>& tables, int64_t num_blocks) {
+  std::vector<int64_t> bytes(size_t(num_blocks), 0);
+  auto take = [&](int r, int key0, int key1, int64_t& left) {
+    for (int k0 = key0; k0 < key1 && left > 0;) {
+      const int blk = k0 / a.block_size;
+      const int k1 = std::min(key1, (blk + 1) * a.block_size);
+      const int64_t before = int64_t(k0 - key0) * a.entry_bytes;
+      if (before >= left || blk >= a.max_blocks) break;
+      const int64_t n =
+          std::min<int64_t>(int64_t(k1 - k0) * a.entry_bytes, left - before) / 16 * 16;
+      const int id = tables[size_t(r) * size_t(a.max_blocks) + size_t(blk)];
+      if (id >= 0 && id < num_blocks) bytes[size_t(id)] += n;
+      k0 = k1;
+    }
+    if (key1 > key0) left -= int64_t(key1 - key0) * a.entry_bytes;
+  };
+  if (a.balanced) {
+    const SchedUnits u = sched_units(a, KEY_TILE);
+    const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
+    const int64_t total = off.back();
+    if (total == 0) return bytes;
+    const int workers = balanced_workers(total, a.num_workers, u.min_worker);
+    for (int w = 0; w < workers; ++w) {
+      int64_t left = budget;
+      walk_worker<ROWS, KEY_TILE>(a, u, w, workers, total, off, false,
+                                  [&](const DecodeWork& p) { take(p.r, p.key0, p.key1, left); });
+    }
+    return bytes;
+  }
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int nrows = covered_rows(a, a.query_lens[r]);
+    if (nrows == 0) continue;
+    const int kmax =
+        decode_row_keys(a, a.query_lens[r], a.seq_lens[r], nrows, std::min(nrows, ROWS) - 1);
+    const int tiles = (kmax + KEY_TILE - 1) / KEY_TILE;
+    const int per = (tiles + a.num_splits - 1) / a.num_splits * KEY_TILE;
+    for (int s = 0; s < a.num_splits; ++s) {
+      int64_t left = budget;
+      take(r, s * per, std::min(kmax, s * per + per), left);
+    }
+  }
+  return bytes;
+}
+
+// The prefetch replays the split kernel's schedule (balanced and per-request, the mma.sync
+// row tiles and the wgmma kernel's 64 x 64 tiles): per cache block it asks for exactly the
+// bytes expected_prefetch names, skips the bad block id, and the attention after it still
+// matches the oracle (run_case checks the output). Budgets: less than one key row past a
+// block edge (5000 B, not a multiple of any entry size) and several blocks (160 KB).
+TEST(CudaDecodePrefetch, AsksForEachCtasFirstKeys) {
+  KMLA_REQUIRE_GPU();
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  if (major < 9) GTEST_SKIP() << "the bulk L2 prefetch needs sm_90";
+  for (const int64_t budget : {int64_t(5000), int64_t(160 * 1024)}) {
+    for (const bool keep : {false, true}) {
+      int64_t asked = 0;  // over the whole test: it must have looked at something
+      CaseHooks hooks;
+      hooks.label = "budget " + std::to_string(budget) + (keep ? ", evict_last" : "");
+      hooks.run = [&](const DecodeParams& p, const DecodePlan& plan, void* ws) {
+        ASSERT_FALSE(plan.batch_invariant);
+        const int R = p.batch.num_requests, mb = p.batch.max_blocks;
+        DevBuf<int64_t> record(size_t(p.cache.num_blocks));
+        record.fill_bytes(0);
+        decode_prefetch(p, plan, budget, keep, nullptr, record.ptr);
+        decode_attention(p, plan, ws, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<int32_t> tables(size_t(R) * size_t(mb)), seq(size_t(R), 0), qlen(size_t(R), 0);
+        ASSERT_EQ(cudaMemcpy(tables.data(), p.batch.block_tables, tables.size() * 4,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(seq.data(), p.batch.seq_lens, seq.size() * 4, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(
+            cudaMemcpy(qlen.data(), p.batch.query_lens, qlen.size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+        DecodeArgs a{};
+        a.seq_lens = seq.data();
+        a.query_lens = qlen.data();
+        a.num_requests = R;
+        a.heads = p.heads;
+        a.causal = p.causal;
+        a.block_size = p.cache.block_size;
+        a.entry_bytes = int(CacheRef::cache_entry_bytes_hd(p.cache.format));
+        a.max_blocks = mb;
+        a.max_rows = plan.max_query_len * p.heads;
+        a.balanced = plan.schedule == DecodeSchedule::balanced;
+        a.num_workers = plan.num_workers;
+        a.num_splits = plan.num_splits;
+        a.rows_per_cta = plan.rows_per_cta;
+        a.row_tiles = (a.max_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
+        a.sched_pair_keys = plan.sched_pair_keys;
+        a.sched_min_keys = plan.sched_min_keys;
+        a.sched_nosplit_keys = plan.sched_nosplit_keys;
+        a.pass_major = a.balanced && plan.pass_major;
+        // The split kernel's tiles: the wgmma kernel's, else ROWS x 32 keys (mma.sync).
+        std::vector<int64_t> want;
+        if (decode_sm90_supports(p, plan))
+          want = expected_prefetch<kDecodeSm90Rows, kDecodeSm90Keys>(a, budget, tables,
+                                                                     p.cache.num_blocks);
+        else if (plan.rows_per_cta == 16)
+          want = expected_prefetch<16, 32>(a, budget, tables, p.cache.num_blocks);
+        else if (plan.rows_per_cta == 32)
+          want = expected_prefetch<32, 32>(a, budget, tables, p.cache.num_blocks);
+        else
+          want = expected_prefetch<64, 32>(a, budget, tables, p.cache.num_blocks);
+        EXPECT_EQ(record.download(), want);
+        for (int64_t b : want) asked += b;
+      };
+      DecodeCase c;  // mma.sync 16-row tiles, lengths around the block edges, a bad block id
+      c.heads = 12;
+      c.block_size = 16;
+      c.seq_lens = {1000, 63, 65, 900, 4097, 1, 2000};
+      c.query_lens = {1, 1, 1, 0, 1, 1, 1};
+      c.bad_block_request = 2;
+      c.seed = 91;
+      run_case(c, {{0, 0}, {3, 0}, {0, 0, false, 40}}, hooks);
+      c = DecodeCase{};  // wgmma tiles (64 heads), two tokens, fp16
+      c.act = DType::f16;
+      c.format = CacheFormat::fp16;
+      c.heads = 64;
+      c.block_size = 64;
+      c.seq_lens = {3000, 129, 64, 700};
+      c.query_lens = {2, 2, 1, 2};
+      c.seed = 92;
+      run_case(c, {{0, 0}, {2, 0}}, hooks);
+      c = DecodeCase{};  // fp8_ds_mla entries (656 B), 32-row tiles, block 256
+      c.format = CacheFormat::fp8_ds_mla;
+      c.heads = 16;
+      c.block_size = 256;
+      c.seq_lens = {5000, 257, 255};
+      c.query_lens = {2, 1, 2};
+      c.seed = 93;
+      run_case(c, {{0, 0}, {0, 32}, {4, 0}}, hooks);
+      EXPECT_GT(asked, 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kmla::cuda
