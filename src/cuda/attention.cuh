@@ -138,17 +138,6 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                       cudaStream_t stream);
 
-// Starts fetching into L2 the first `bytes_per_cta` bytes of keys that each CTA of
-// decode_attention(p, plan) will read (the same schedule, from the lengths on the device),
-// and returns at once: the fetches complete in the background. For a stream that runs
-// alongside the work before the attention (the query's GEMMs, which leave DRAM mostly idle),
-// so that the attention finds its first keys in L2. Changes no result; p.q and p.out are not
-// read. A no-op before sm_90 (bulk prefetch) and for portable plans. With `keep` the lines
-// are fetched with the L2 evict_last priority. `record` (tests; null otherwise): [num_blocks]
-// int64 on the device, to which the bytes asked for in each cache block are added.
-void decode_prefetch(const DecodeParams& p, const DecodePlan& plan, int64_t bytes_per_cta,
-                     bool keep, cudaStream_t stream, int64_t* record = nullptr);
-
 // ---- prefill ------------------------------------------------------------------------
 // A [rows, heads, dim] operand with element strides: element (t, h, d) is at
 // ptr[t * row_stride + h * head_stride + d]. head_stride may be 0 (shared by all heads).

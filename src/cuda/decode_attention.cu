@@ -1871,66 +1871,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (chunk == 0 && lane == 0) a.lse[out_row] = big + logf(total);
 }
 
-// ---- L2 prefetch of the keys each CTA reads first ----------------------------------------
-// One warp per CTA of the split kernel's grid, replaying its schedule (the balanced prologue
-// and walk, or the per-request split): the warp issues bulk L2 prefetches for the first
-// `budget` bytes of keys its split-kernel CTA will read, lane i the i-th cache block of
-// each piece, and exits; nothing waits for the bytes. Read-only and without effect on any
-// result: a bad block id is skipped (the split kernel reports it). sm_90 only (the bulk
-// prefetch); elsewhere the kernel does nothing. `record` (tests): per cache block, the
-// bytes asked for are added there.
-constexpr int kPrefetchThreads = 32;
-
-template <int ROWS, int KEY_TILE>
-__global__ void __launch_bounds__(kPrefetchThreads)
-    decode_prefetch_kernel(const DecodeArgs a, int64_t budget, bool keep, int64_t* record) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ int64_t walk_s[sizeof(WalkState) / sizeof(int64_t)];
-  WalkState st;
-  DecodeWork w;
-  bool more;
-  if (a.balanced) {
-    if (!balanced_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
-    memcpy(&st, walk_s, sizeof(st));
-    more = next_piece<ROWS, KEY_TILE>(a, st, false, w);
-  } else {
-    // A request's row tiles read the same keys: the CTAs of row tile 0 prefetch them.
-    more = blockIdx.x == 0 && per_request_work<ROWS, KEY_TILE>(a, w);
-  }
-  const int lane = int(threadIdx.x);
-  uint64_t policy = 0;
-  if (keep) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  while (more && budget > 0) {
-    if (w.key1 > w.key0) {
-      const int32_t* table = a.block_tables + int64_t(w.r) * a.max_blocks;
-      const int first = decode_block_of(a, w.key0), last = decode_block_of(a, w.key1 - 1);
-      for (int blk = first + lane; blk <= last && blk < a.max_blocks; blk += 32) {
-        const int k0 = max(w.key0, blk * a.block_size);
-        const int k1 = min(w.key1, (blk + 1) * a.block_size);
-        const int64_t before = int64_t(k0 - w.key0) * a.entry_bytes;  // piece bytes ahead
-        if (before >= budget) break;
-        const int64_t want = int64_t(k1 - k0) * a.entry_bytes;
-        const uint32_t bytes = uint32_t(min(want, budget - before)) & ~15u;
-        const int id = table[blk];
-        if (bytes == 0 || id < 0 || int64_t(id) >= a.num_blocks) continue;
-        const std::byte* src = a.cache_base + int64_t(id) * a.block_stride +
-                               int64_t(k0 - blk * a.block_size) * a.entry_bytes;
-        if (record) atomicAdd(reinterpret_cast<unsigned long long*>(record + id), bytes);
-        if (keep)
-          asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(src),
-                       "r"(bytes), "l"(policy)
-                       : "memory");
-        else
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
-                       : "memory");
-      }
-      budget -= int64_t(w.key1 - w.key0) * a.entry_bytes;
-    }
-    more = a.balanced && next_piece<ROWS, KEY_TILE>(a, st, false, w);
-  }
-#endif
-}
-
 // ---- combine, many partials per row: one CTA per (row, column chunk) ---------------------
 // For a few rows with hundreds of partials each (one 64K-key request: 12 rows of 247), the
 // warp-per-task combine above is latency bound: every warp walks the row's LSEs three times
@@ -2394,11 +2334,8 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 // plan.num_workers (1..1024), the sched_* costs and plan.rows_per_cta (16, 32, 64) after
 // plan_decode, provided plan.workspace_bytes still covers decode_workspace_bytes(plan, ...)
 // (workspace_layout above); this is checked here.
-namespace {
-
-// Checks the parameters and the plan and fills the split kernel's arguments, the workspace
-// pointers left null (decode_attention sets them).
-DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
+void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                      cudaStream_t stream) {
   const DeviceBatch& b = p.batch;
   KMLA_CHECK(p.heads >= 1 && p.heads <= 128, "decode: heads must be in [1, 128], got ", p.heads);
   KMLA_CHECK(b.num_requests >= 0 && b.num_requests <= 65535,
@@ -2438,6 +2375,16 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
              "decode: the cache base and block stride (", p.cache.block_stride,
              " B) must be 16-byte aligned");
   KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
+  if (b.num_requests == 0) return;
+
+  const WorkspaceLayout ws = workspace_layout(plan, b.num_requests, p.heads);
+  KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
+             plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
+             " heads x ", balanced ? plan.num_workers : plan.num_splits,
+             balanced ? " workers" : " splits", " need (", ws.bytes, " B)");
+  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: the plan needs a workspace of ",
+             ws.bytes, " B, got none");
+
   DecodeArgs a{};
   a.q = p.q;
   a.q_fp8 = p.q_fp8;
@@ -2476,34 +2423,6 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
   a.pass_major = balanced && plan.pass_major;
-  return a;
-}
-
-// The split kernel's grid: one CTA per worker (balanced; the workers beyond what the
-// lengths need exit at once), else (row tiles, splits, requests).
-dim3 decode_grid(const DecodeArgs& a, const DecodePlan& plan) {
-  return a.balanced
-             ? dim3(unsigned(plan.num_workers))
-             : dim3(unsigned(a.row_tiles), unsigned(plan.num_splits), unsigned(a.num_requests));
-}
-
-}  // namespace
-
-void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
-                      cudaStream_t stream) {
-  DecodeArgs a = decode_args(p, plan);
-  const DeviceBatch& b = p.batch;
-  if (b.num_requests == 0) return;
-  const bool balanced = a.balanced;
-
-  const WorkspaceLayout ws = workspace_layout(plan, b.num_requests, p.heads);
-  KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
-             plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
-             " heads x ", balanced ? plan.num_workers : plan.num_splits,
-             balanced ? " workers" : " splits", " need (", ws.bytes, " B)");
-  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: the plan needs a workspace of ",
-             ws.bytes, " B, got none");
-
   if (ws.bytes) {
     std::byte* const base = static_cast<std::byte*>(workspace);
     a.ws_o = reinterpret_cast<float*>(base);
@@ -2511,9 +2430,11 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
     if (balanced) a.pair_table = reinterpret_cast<int2*>(base + ws.table_offset);
   }
 
-  const dim3 grid = decode_grid(a, plan);
-  const int rows = plan.rows_per_cta;
-  const bool convert = !(a.format == CacheFormat::bf16 || a.format == CacheFormat::fp16);
+  // Balanced: one CTA per worker (the workers beyond what the lengths need exit at once).
+  const dim3 grid = balanced ? dim3(unsigned(plan.num_workers))
+                             : dim3(unsigned(a.row_tiles), unsigned(plan.num_splits),
+                                    unsigned(b.num_requests));
+  const bool convert = !cache16;
   const bool deep = plan.deep_pipeline && rows == 16;
   const int stages = deep ? (convert ? kDeepStagesFp8 : kDeepStages16) : kStages;
   const int smem = smem_plan(rows, convert ? a.entry_bytes : 0, stages).total;
@@ -2585,28 +2506,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
         KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks));
     }
   });
-}
-
-void decode_prefetch(const DecodeParams& p, const DecodePlan& plan, int64_t bytes_per_cta,
-                     bool keep, cudaStream_t stream, int64_t* record) {
-  KMLA_CHECK(bytes_per_cta >= 0, "decode_prefetch: bytes_per_cta must be >= 0, got ",
-             bytes_per_cta);
-  const DecodeArgs a = decode_args(p, plan);
-  if (a.num_requests == 0 || bytes_per_cta == 0 || plan.portable) return;
-  int device = 0, major = 0;
-  KMLA_CUDA_CHECK(cudaGetDevice(&device));
-  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 9) return;
-  // The split kernel's tiles: the wgmma kernel's 64 x 64, else ROWS x 32.
-  auto kernel = decode_prefetch_kernel<16, kKeyTile>;
-  if (decode_sm90_supports(p, plan))
-    kernel = decode_prefetch_kernel<kDecodeSm90Rows, kDecodeSm90Keys>;
-  else if (plan.rows_per_cta == 32)
-    kernel = decode_prefetch_kernel<32, kKeyTile>;
-  else if (plan.rows_per_cta == 64)
-    kernel = decode_prefetch_kernel<64, kKeyTile>;
-  kernel<<<decode_grid(a, plan), kPrefetchThreads, 0, stream>>>(a, bytes_per_cta, keep, record);
-  KMLA_LAUNCH_CHECK();
 }
 
 }  // namespace kmla::cuda

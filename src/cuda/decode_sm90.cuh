@@ -11,7 +11,6 @@ namespace kmla::cuda {
 
 // Query rows (token, head pairs of one request) per CTA of the wgmma kernel.
 inline constexpr int kDecodeSm90Rows = 64;
-inline constexpr int kDecodeSm90Keys = 64;  // keys per tile (the scheduler's unit)
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row

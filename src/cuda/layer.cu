@@ -19,11 +19,9 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <string_view>
 #include <unordered_set>
 
 #include "cuda/attention.cuh"
@@ -161,11 +159,6 @@ struct Plan::Data {
   bool causal_decode = true;
   int max_blocks = 0;
   DecodePlan decode;
-  // The decode CTAs' first keys fetched into L2 on the auxiliary stream while the GEMMs
-  // before the attention run (decode_prefetch): bytes per CTA (0: off), the evict_last
-  // priority, and whether the fetch starts with the step rather than after the front GEMM.
-  int64_t prefetch_bytes = 0;
-  bool prefetch_keep = false, prefetch_at_start = false;
   // Prefill (eager plans only).
   int num_prefills = 0;
   int max_new_len = 0, max_ctx_q_len = 0;
@@ -215,7 +208,6 @@ struct Layer::Impl {
   bool any_hidden_fp8 = false;
   DeviceBuffer error_flag;
   cudaEvent_t fork = nullptr, join = nullptr;
-  cudaEvent_t prefetch_fork = nullptr, prefetch_join = nullptr;
   DeviceBuffer owned_workspace;  // forward() only
 
   Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts, std::shared_ptr<const RopeTable> r);
@@ -311,16 +303,12 @@ Layer::Impl::Impl(const MlaConfig& c, const MlaWeights& w, LayerOptions opts,
   KMLA_CUDA_CHECK(cudaMemset(error_flag.data(), 0, sizeof(int)));
   KMLA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
   KMLA_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-  KMLA_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_fork, cudaEventDisableTiming));
-  KMLA_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_join, cudaEventDisableTiming));
   blas_for_current_device();  // create the handles now, not inside a capture
 }
 
 Layer::Impl::~Impl() {
   if (fork) cudaEventDestroy(fork);
   if (join) cudaEventDestroy(join);
-  if (prefetch_fork) cudaEventDestroy(prefetch_fork);
-  if (prefetch_join) cudaEventDestroy(prefetch_join);
 }
 
 void Layer::Impl::project(const Projection& w, int64_t M, const void* A, int64_t lda,
@@ -394,23 +382,9 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->decode_rows = md.num_decode_tokens;
     d->decode_requests = md.num_decodes;
   }
-  if (d->decode_requests > 0) {
+  if (d->decode_requests > 0)
     d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable,
                             options.batch_invariant, f);
-    // A/B switches: KMLA_DECODE_PREFETCH_KB (per CTA), KMLA_DECODE_PREFETCH_KEEP=0|1,
-    // KMLA_DECODE_PREFETCH_AT=front|start.
-    auto env = [](const char* name) -> std::string_view {
-      const char* v = std::getenv(name);
-      return v ? v : "";
-    };
-    const std::string_view kb = env("KMLA_DECODE_PREFETCH_KB"), at = env("KMLA_DECODE_PREFETCH_AT");
-    if (!kb.empty()) d->prefetch_bytes = int64_t(std::atoi(kb.data())) * 1024;
-    KMLA_CHECK(d->prefetch_bytes >= 0, "KMLA_DECODE_PREFETCH_KB must be >= 0, got ", kb);
-    d->prefetch_keep = env("KMLA_DECODE_PREFETCH_KEEP") == "1";
-    KMLA_CHECK(at.empty() || at == "front" || at == "start",
-               "KMLA_DECODE_PREFETCH_AT must be front or start, got ", at);
-    d->prefetch_at_start = at == "start";
-  }
 
   // ---- metadata image -------------------------------------------------------------------
   Layout L;
@@ -588,30 +562,6 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   const bool plain_fp8 = cache.format() == CacheFormat::fp8;
   const bool keep_f32 = cfg.use_rope && plain_fp8;
   BlasPair& blas = blas_for_current_device();
-  const float scale = float(cfg.softmax_scale());
-
-  // The decode attention's parameters but its query (section 4).
-  DecodeParams dp;
-  dp.cache = cref;
-  dp.batch = batch;
-  dp.batch.num_requests = d.decode_requests;
-  dp.heads = H;
-  dp.causal = d.causal_decode;
-  dp.softmax_scale = scale;
-  dp.act = act;
-  dp.out = at(d.off_latent);
-  dp.lse = static_cast<float*>(at(d.off_dlse));
-  dp.error_flag = flag;
-  // The decode CTAs' first keys into L2 on the auxiliary stream, joined before the attention.
-  const bool prefetch = d.prefetch_bytes > 0 && d.decode_rows > 0 && options.aux_stream;
-  auto start_prefetch = [&] {
-    cudaStream_t ps = raw(options.aux_stream);
-    KMLA_CUDA_CHECK(cudaEventRecord(prefetch_fork, s));
-    KMLA_CUDA_CHECK(cudaStreamWaitEvent(ps, prefetch_fork, 0));
-    decode_prefetch(dp, d.decode, d.prefetch_bytes, d.prefetch_keep, ps);
-    KMLA_CUDA_CHECK(cudaEventRecord(prefetch_join, ps));
-  };
-  if (prefetch && d.prefetch_at_start) start_prefetch();
 
   if (rows > 0) {
     // ---- 1. front end ----------------------------------------------------------------------
@@ -634,7 +584,6 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
               static_cast<std::byte*>(front_out) + kv_offset * as, fw, blas.main, s);
     }
   }
-  if (prefetch && !d.prefetch_at_start) start_prefetch();
   // A g_proj of its own (fp8 weights) depends only on the hidden states: on the auxiliary
   // stream for small batches.
   const bool own_g = cfg.use_output_gate && !g_stacked;
@@ -719,6 +668,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   }
 
   auto* attn = static_cast<std::byte*>(at(d.off_attn));  // [rows, H*128]
+  const float scale = float(cfg.softmax_scale());
 
   // ---- 4. decode rows: absorbed MQA over the cache ------------------------------------------
   if (d.decode_rows > 0) {
@@ -741,10 +691,20 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       dq.act = act;
       decode_query(dq, s);
     }
+    DecodeParams dp;
     dp.q = plain_fp8 ? at(d.off_q8) : mqa;
     dp.q_fp8 = plain_fp8;
     dp.q_scale = q_scale;
-    if (prefetch) KMLA_CUDA_CHECK(cudaStreamWaitEvent(s, prefetch_join, 0));
+    dp.cache = cref;
+    dp.batch = batch;
+    dp.batch.num_requests = d.decode_requests;
+    dp.heads = H;
+    dp.causal = d.causal_decode;
+    dp.softmax_scale = scale;
+    dp.act = act;
+    dp.out = at(d.off_latent);
+    dp.lse = static_cast<float*>(at(d.off_dlse));
+    dp.error_flag = flag;
     decode_attention(dp, d.decode, at(d.off_dwork), s);
     blas.main.batched_nn(H, Td, kVDim, kKvLoraRank, at(d.off_latent), int64_t(H) * kKvLoraRank, kKvLoraRank,
                          w_uv.data(), kVDim, int64_t(kKvLoraRank) * kVDim, attn, attn_width, kVDim, act, s);
