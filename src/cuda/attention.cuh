@@ -138,6 +138,31 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                       cudaStream_t stream);
 
+// Decode attention followed by the layer's value up-projection and output gate in one
+// epilogue launch (in place of the combine, a batched W_UV GEMM and the gate kernel):
+//   attn[t, h * 128 + n] = act(act(sum_k latent[t, h, k] W_UV[h, k, n]) * sigmoid(g[t, h * 128 +
+//   n]))
+// for tokens t in [0, rows), latent being what decode_attention writes to p.out (rounded to
+// act). Without g, no gate. Tokens of no request get a zero latent; with num_tokens (a device
+// scalar), rows t >= *num_tokens are written as zeros. p.out and p.lse serve as scratch (the
+// rows a single piece computes); neither holds the full result afterwards. Needs
+// decode_uv_fits() (~156 KB of shared memory per block: sm_80 and Hopper).
+struct DecodeUvParams {
+  const void* w_uv = nullptr;  // [heads, 512, 128] act, row-major per head, 16-byte aligned
+  void* attn = nullptr;        // [rows, attn_stride] act; head h at columns [128 h, 128 h + 128)
+  int64_t attn_stride = 0;     // elements
+  const void* g = nullptr;     // [rows, g_stride] act, the gate's input; null: no gate
+  int64_t g_stride = 0;
+  int64_t rows = 0;
+  const int32_t* num_tokens = nullptr;
+  // Launch the epilogue as a programmatic dependent of the split kernel (sm_90): its W_UV
+  // loads overlap the split kernel's tail.
+  bool programmatic = false;
+};
+void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                         const DecodeUvParams& uv, cudaStream_t stream);
+bool decode_uv_fits();
+
 // ---- prefill ------------------------------------------------------------------------
 // A [rows, heads, dim] operand with element strides: element (t, h, d) is at
 // ptr[t * row_stride + h * head_stride + d]. head_stride may be 0 (shared by all heads).

@@ -55,6 +55,11 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return _
 template <> __device__ __forceinline__ fp16 from_float<fp16>(float x) { return __float2half_rn(x); }
 // x rounded to T and read back (the semantics' "round to act").
 template <class T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+// The output gate: a * sigmoid(g) with every step rounded to fp32 (expf), the value the gate
+// kernel and the decode W_UV epilogue both round to act.
+__device__ __forceinline__ float gated(float a, float g) {
+  return __fmul_rn(a, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))));
+}
 // Two fp32 values rounded to T (nearest even) and packed, lo in the low half (the lower
 // column index): one mma operand register.
 template <class T>

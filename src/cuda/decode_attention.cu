@@ -2008,6 +2008,185 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (chunk == 0 && tid == 0) a.lse[out_row] = big + logf(total);
 }
 
+// ---- the W_UV epilogue: combine, W_UV and the output gate in one launch ------------------
+// For a layer's decode step (decode_attention_uv), in place of the combine, the batched W_UV
+// GEMM and the gate: attn[t, h * 128 + n] = act(act(latent[t, h] . W_UV[h][:, n]) *
+// sigmoid(g[t, h * 128 + n])), latent[t, h] being the decode output row the combine would
+// write (act). The CTA of (16 tokens, head h):
+//   1. starts cp.async copies of W_UV[h] (512 x 128 act, 128 KB) into shared memory: they
+//      depend on nothing the split kernel writes;
+//   2. waits for the split grid (a no-op unless launched as its programmatic dependent) and
+//      builds the 16 latent rows in shared memory, a warp per row: a row with partials is
+//      merged from them in split order (weights exp(lse_s - max) over their sum), a row its
+//      only piece wrote directly is read from out, a row of no request is zero; rounded to
+//      act;
+//   3. multiplies them by W_UV[h] on mma.sync (warp w: output columns 32w .. 32w + 31, fp32
+//      accumulation), rounds to act, gates (the gate kernel's arithmetic, `gated`) and writes
+//      attn; rows t >= *num_tokens get zeros.
+// A row's arithmetic depends on its own partials only, so batch-invariant plans stay so.
+constexpr int kUvThreads = 128;
+constexpr int kUvWarps = kUvThreads / 32;
+constexpr int kUvTokens = 16;                // rows of one mma tile
+constexpr int kUvAStride = kKvLoraRank + 8;  // elements: 1040-byte rows, ldmatrix conflict-free
+constexpr int kUvWStride = kVDim + 8;        // 272-byte rows
+constexpr int kUvSmemBytes = (kUvTokens * kUvAStride + kKvLoraRank * kUvWStride) * 2;  // 155.6 KB
+
+struct UvArgs {
+  const void* w_uv;     // [heads, 512, 128] act
+  void* attn;           // row t, head h at attn + t * attn_stride + h * 128 (act)
+  int64_t attn_stride;  // elements
+  const void* g;        // gate input at g + t * g_stride + h * 128, or null (no gate)
+  int64_t g_stride;
+  int64_t rows;               // tokens [0, rows) are written
+  const int32_t* num_tokens;  // rows t >= *num_tokens are zero; null: none
+};
+
+// Latent row (token t, head h) into v (lane's columns 4 lane + 128 k + {0..3}, k < 4) as
+// fp32: zero for a token of no request or a row past the plan; warp-uniform.
+template <class T>
+__device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, int h,
+                                              float (&v)[16]) {
+  const int lane = int(threadIdx.x) & 31;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = 0.0f;
+  // The request holding token t: the last r with query_start[r] <= t (requests without
+  // tokens repeat their start, so the last one is the request that has t).
+  int count = 0;
+  for (int base = 0; base <= a.num_requests; base += 32) {
+    const int j = base + lane;
+    count += __popc(__ballot_sync(0xffffffffu, j <= a.num_requests && a.query_start[j] <= t));
+  }
+  const int r = count - 1;
+  if (r < 0 || r >= a.num_requests) return;
+  const int qlen = a.query_lens[r];
+  const int token = int(t - a.query_start[r]);
+  const int row = token * a.heads + h;
+  if (token >= qlen || row >= covered_rows(a, qlen)) return;
+  const RowPartials rp = row_partials(a, int64_t(r) * a.max_rows + row, r, row);
+  const int S = rp.S;
+  if (a.direct_out || (a.balanced && S <= 1)) {  // the only piece wrote the row
+    const T* o = static_cast<const T*>(a.out) + t * int64_t(a.heads) * kKvLoraRank +
+                 int64_t(h) * kKvLoraRank + 4 * lane;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint2 x = __ldcg(reinterpret_cast<const uint2*>(o + 128 * k));
+      const T* e = reinterpret_cast<const T*>(&x);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[4 * k + c] = to_float(e[c]);
+    }
+    return;
+  }
+  auto lse_at = [&](int s) { return __ldcg(a.ws_lse + rp.part(a, s)); };
+  const float my_lse = lane < S ? lse_at(lane) : kNegInf;
+  float big = my_lse;
+  for (int s = lane + 32; s < S; s += 32) big = fmaxf(big, lse_at(s));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+  if (big == kNegInf) return;  // no piece saw a key: zeros
+  float total = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
+  for (int s = lane + 32; s < S; s += 32) {
+    const float l = lse_at(s);
+    total += l == kNegInf ? 0.0f : expf(l - big);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  // w_s O_s in split order. A partial of weight 0 is never read (an empty one may hold NaN).
+  for (int s = 0; s < S; ++s) {
+    const float l = s < 32 ? __shfl_sync(0xffffffffu, my_lse, s) : lse_at(s);
+    const float w = l == kNegInf ? 0.0f : expf(l - big);
+    if (w == 0.0f) continue;
+    const float* o = a.ws_o + rp.part(a, s) * kKvLoraRank + 4 * lane;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(o + 128 * k));
+      v[4 * k + 0] = fmaf(w, x.x, v[4 * k + 0]);
+      v[4 * k + 1] = fmaf(w, x.y, v[4 * k + 1]);
+      v[4 * k + 2] = fmaf(w, x.z, v[4 * k + 2]);
+      v[4 * k + 3] = fmaf(w, x.w, v[4 * k + 3]);
+    }
+  }
+  const float inv = 1.0f / total;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] *= inv;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs a, const UvArgs u) {
+  extern __shared__ __align__(16) std::byte uv_smem[];
+  T* const a_s = reinterpret_cast<T*>(uv_smem);  // [16][kUvAStride] latent rows
+  T* const w_s = a_s + kUvTokens * kUvAStride;   // [512][kUvWStride] W_UV[h]
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int h = int(blockIdx.y);
+  const int64_t t0 = int64_t(blockIdx.x) * kUvTokens;
+
+  // 1. W_UV[h], 16-byte chunks
+  const T* w = static_cast<const T*>(u.w_uv) + int64_t(h) * kKvLoraRank * kVDim;
+  constexpr int kChunksPerRow = kVDim / 8;
+  for (int c = tid; c < kKvLoraRank * kChunksPerRow; c += kUvThreads) {
+    const int k = c / kChunksPerRow, n = (c % kChunksPerRow) * 8;
+    cp_async16(smem_addr(w_s + k * kUvWStride + n), w + k * kVDim + n, true);
+  }
+  cp_async_commit();
+
+  // 2. the latent rows (num_tokens is the caller's input: read before the wait)
+  const int64_t real = u.num_tokens ? int64_t(*u.num_tokens) : u.rows;
+  for (int i = warp; i < kUvTokens; i += kUvWarps) {
+    const int64_t t = t0 + i;
+    float v[16];
+    if (t < u.rows && t < real) {
+      uv_latent_row<T>(a, t, h, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      *reinterpret_cast<uint2*>(a_s + i * kUvAStride + 128 * k + 4 * lane) =
+          make_uint2(pack2<T>(v[4 * k], v[4 * k + 1]), pack2<T>(v[4 * k + 2], v[4 * k + 3]));
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // 3. [16 x 512] x [512 x 128]: warp w's 32 columns as four m16n8 tiles
+  const int n0 = warp * 32;
+  float acc[4][4] = {};
+#pragma unroll 4
+  for (int kk = 0; kk < kKvLoraRank; kk += 16) {
+    uint32_t af[4];
+    ldsm_x4(smem_addr(a_s + (lane & 15) * kUvAStride + kk + (lane >> 4) * 8), af);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t bf[4];
+      ldsm_x4_trans(smem_addr(w_s + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kUvWStride + n0 +
+                              16 * j + (lane >> 4) * 8),
+                    bf);
+      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
+      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
+    }
+  }
+  const T* g = static_cast<const T*>(u.g);
+  T* attn = static_cast<T*>(u.attn);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int col = h * kVDim + n0 + 8 * j + 2 * (lane & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t t = t0 + (lane >> 2) + 8 * half;
+      if (t >= u.rows) continue;
+      float x0 = round_to<T>(acc[j][2 * half]), x1 = round_to<T>(acc[j][2 * half + 1]);
+      if (t >= real) {
+        x0 = x1 = 0.0f;
+      } else if (g) {
+        const uint32_t gv = *reinterpret_cast<const uint32_t*>(g + t * u.g_stride + col);
+        const T* ge = reinterpret_cast<const T*>(&gv);
+        x0 = gated(x0, to_float(ge[0]));
+        x1 = gated(x1, to_float(ge[1]));
+      }
+      *reinterpret_cast<uint32_t*>(attn + t * u.attn_stride + col) = pack2<T>(x0, x1);
+    }
+  }
+}
+
 // ---- host side ------------------------------------------------------------------------
 // The largest deep-pipeline CTA over the cache formats (the plan does not know the format).
 int deep_smem_bytes() {
@@ -2334,8 +2513,11 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 // plan.num_workers (1..1024), the sched_* costs and plan.rows_per_cta (16, 32, 64) after
 // plan_decode, provided plan.workspace_bytes still covers decode_workspace_bytes(plan, ...)
 // (workspace_layout above); this is checked here.
-void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
-                      cudaStream_t stream) {
+namespace {
+
+// Checks the parameters and the plan and fills the split kernel's arguments but the
+// workspace pointers (decode_args_ws).
+DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   const DeviceBatch& b = p.batch;
   KMLA_CHECK(p.heads >= 1 && p.heads <= 128, "decode: heads must be in [1, 128], got ", p.heads);
   KMLA_CHECK(b.num_requests >= 0 && b.num_requests <= 65535,
@@ -2375,16 +2557,6 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
              "decode: the cache base and block stride (", p.cache.block_stride,
              " B) must be 16-byte aligned");
   KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
-  if (b.num_requests == 0) return;
-
-  const WorkspaceLayout ws = workspace_layout(plan, b.num_requests, p.heads);
-  KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
-             plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
-             " heads x ", balanced ? plan.num_workers : plan.num_splits,
-             balanced ? " workers" : " splits", " need (", ws.bytes, " B)");
-  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: the plan needs a workspace of ",
-             ws.bytes, " B, got none");
-
   DecodeArgs a{};
   a.q = p.q;
   a.q_fp8 = p.q_fp8;
@@ -2423,6 +2595,31 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
   a.pass_major = balanced && plan.pass_major;
+  return a;
+}
+
+}  // namespace
+
+namespace {
+
+// The split kernel of decode_attention(p, plan); returns its arguments with the workspace
+// pointers, which the combine (or the W_UV epilogue) then reads. Nothing runs for a batch
+// without requests (a.num_requests == 0).
+DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                     cudaStream_t stream) {
+  DecodeArgs a = decode_args(p, plan);
+  const DeviceBatch& b = p.batch;
+  if (b.num_requests == 0) return a;
+  const bool balanced = a.balanced;
+
+  const WorkspaceLayout ws = workspace_layout(plan, b.num_requests, p.heads);
+  KMLA_CHECK(ws.bytes <= plan.workspace_bytes, "decode: the plan's workspace (",
+             plan.workspace_bytes, " B) is smaller than ", b.num_requests, " requests x ", p.heads,
+             " heads x ", balanced ? plan.num_workers : plan.num_splits,
+             balanced ? " workers" : " splits", " need (", ws.bytes, " B)");
+  KMLA_CHECK(ws.bytes == 0 || workspace != nullptr, "decode: the plan needs a workspace of ",
+             ws.bytes, " B, got none");
+
   if (ws.bytes) {
     std::byte* const base = static_cast<std::byte*>(workspace);
     a.ws_o = reinterpret_cast<float*>(base);
@@ -2434,7 +2631,8 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
   const dim3 grid = balanced ? dim3(unsigned(plan.num_workers))
                              : dim3(unsigned(a.row_tiles), unsigned(plan.num_splits),
                                     unsigned(b.num_requests));
-  const bool convert = !cache16;
+  const int rows = plan.rows_per_cta;
+  const bool convert = !(a.format == CacheFormat::bf16 || a.format == CacheFormat::fp16);
   const bool deep = plan.deep_pipeline && rows == 16;
   const int stages = deep ? (convert ? kDeepStagesFp8 : kDeepStages16) : kStages;
   const int smem = smem_plan(rows, convert ? a.entry_bytes : 0, stages).total;
@@ -2460,52 +2658,112 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
       convert ? launch_splitkv<T, 64, true>(a, grid, smem, stream)
               : launch_splitkv<T, 64, false>(a, grid, smem, stream);
     }
-    if (!a.direct_out) {
-      // Column chunks per row and the form (see the two combine kernels): one warp per
-      // (row, chunk) once the rows alone give ~2K warps (128 requests x 12 heads: 1,536
-      // rows); more chunks for fewer rows; and for a few rows (one long request: 12 rows,
-      // 16 chunks) a CTA per (row, chunk) that reads the LSEs once (decode_combine_rows).
-      // Batch-invariant plans keep 4 chunks of one warp (their fixed order).
-      const int64_t items = int64_t(b.num_requests) * a.max_rows;
-      int chunks = kCombineInvariantChunks;
-      bool rows_form = false;
-      if (!plan.batch_invariant) {
-        chunks = 1;
-        while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
-        // More than 32 partials per row on average (a few long requests: 4 x 256K keys cut
-        // into ~66 pieces each) take the CTA form too, with at least 4 chunks: the warp form
-        // walks the LSEs three times and reads the partials one after another. Measured on
-        // H200 (2026-12-03), (4, 12, 256K): 311.4-313.2 against 320.8-322.5 us. Lower
-        // thresholds (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12,
-        // 32K) (~8 partials) and cost fp8_ds_mla 10 % at 2.
-        const int64_t pairs = int64_t(b.num_requests) * a.row_tiles;
-        const int64_t parts =
-            balanced ? ceil_div(int64_t(plan.num_workers), pairs) : plan.num_splits;
-        const bool many_parts = parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
-        if (many_parts) chunks = std::max(chunks, 4);
-        rows_form = chunks >= 4 && (items * chunks <= 512 || many_parts);
-        // A/B switch for the many-partials form: its chunks per row (4, 8, 16 or 32).
-        const int forced = env_int("KMLA_DECODE_COMBINE_CHUNKS", 0);
-        if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
-          chunks = forced;
-      }
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(unsigned(rows_form ? items * chunks
-                                            : ceil_div(items * chunks, kCombineWarps)));
-      cfg.blockDim = dim3(kCombineThreads);
-      cfg.dynamicSmemBytes = 0;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
-      if (rows_form)
-        KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_rows_kernel<T>, a, chunks));
-      else
-        KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks));
-    }
   });
+  return a;
+}
+
+// The combine of a split run whose pieces left partials (every plan but a per-request one of
+// one split): out / lse of every row with partials.
+void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStream_t stream) {
+  if (a.num_requests == 0 || a.direct_out) return;
+  const bool balanced = a.balanced;
+  dispatch_act(act, [&]<class T>() {
+    // Column chunks per row and the form (see the two combine kernels): one warp per
+    // (row, chunk) once the rows alone give ~2K warps (128 requests x 12 heads: 1,536
+    // rows); more chunks for fewer rows; and for a few rows (one long request: 12 rows,
+    // 16 chunks) a CTA per (row, chunk) that reads the LSEs once (decode_combine_rows).
+    // Batch-invariant plans keep 4 chunks of one warp (their fixed order).
+    const int64_t items = int64_t(a.num_requests) * a.max_rows;
+    int chunks = kCombineInvariantChunks;
+    bool rows_form = false;
+    if (!plan.batch_invariant) {
+      chunks = 1;
+      while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
+      // More than 32 partials per row on average (a few long requests: 4 x 256K keys cut
+      // into ~66 pieces each) take the CTA form too, with at least 4 chunks: the warp form
+      // walks the LSEs three times and reads the partials one after another. Measured on
+      // H200 (2026-12-03), (4, 12, 256K): 311.4-313.2 against 320.8-322.5 us. Lower
+      // thresholds (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12,
+      // 32K) (~8 partials) and cost fp8_ds_mla 10 % at 2.
+      const int64_t pairs = int64_t(a.num_requests) * a.row_tiles;
+      const int64_t parts = balanced ? ceil_div(int64_t(plan.num_workers), pairs) : plan.num_splits;
+      const bool many_parts = parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
+      if (many_parts) chunks = std::max(chunks, 4);
+      rows_form = chunks >= 4 && (items * chunks <= 512 || many_parts);
+      // A/B switch for the many-partials form: its chunks per row (4, 8, 16 or 32).
+      const int forced = env_int("KMLA_DECODE_COMBINE_CHUNKS", 0);
+      if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
+        chunks = forced;
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim =
+        dim3(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
+    cfg.blockDim = dim3(kCombineThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
+    if (rows_form)
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_rows_kernel<T>, a, chunks));
+    else
+      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks));
+  });
+}
+
+}  // namespace
+
+void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                      cudaStream_t stream) {
+  const DecodeArgs a = run_split(p, plan, workspace, stream);
+  run_combine(a, plan, p.act, stream);
+}
+
+void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* workspace,
+                         const DecodeUvParams& uv, cudaStream_t stream) {
+  KMLA_CHECK(uv.rows >= 0, "decode_attention_uv: rows must be >= 0, got ", uv.rows);
+  KMLA_CHECK(uv.w_uv && uv.attn, "decode_attention_uv needs w_uv and attn");
+  KMLA_CHECK(uv.attn_stride >= int64_t(p.heads) * kVDim && uv.attn_stride % 2 == 0,
+             "decode_attention_uv: attn_stride ", uv.attn_stride, " must be even and >= heads x ",
+             kVDim);
+  KMLA_CHECK(!uv.g || (uv.g_stride >= int64_t(p.heads) * kVDim && uv.g_stride % 2 == 0),
+             "decode_attention_uv: g_stride ", uv.g_stride, " must be even and >= heads x ", kVDim);
+  KMLA_CHECK(reinterpret_cast<uintptr_t>(uv.w_uv) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(uv.attn) % 4 == 0 &&
+                 reinterpret_cast<uintptr_t>(uv.g) % 4 == 0,
+             "decode_attention_uv: w_uv must be 16-byte and attn, g 4-byte aligned");
+  KMLA_CHECK(decode_uv_fits(),
+             "decode_attention_uv: the GPU's shared memory per block is "
+             "below the epilogue's ",
+             kUvSmemBytes, " B (check decode_uv_fits())");
+  const DecodeArgs a = run_split(p, plan, workspace, stream);
+  if (uv.rows == 0) return;
+  UvArgs u{uv.w_uv, uv.attn, uv.attn_stride, uv.g, uv.g_stride, uv.rows, uv.num_tokens};
+  dispatch_act(p.act, [&]<class T>() {
+    auto* kernel = decode_uv_kernel<T>;
+    KMLA_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUvSmemBytes));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(ceil_div(uv.rows, int64_t(kUvTokens))), unsigned(p.heads));
+    cfg.blockDim = dim3(kUvThreads);
+    cfg.dynamicSmemBytes = kUvSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = uv.programmatic ? 1 : 0;
+    KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, u));
+  });
+}
+
+bool decode_uv_fits() {
+  int device = 0, optin = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin >= kUvSmemBytes;
 }
 
 }  // namespace kmla::cuda

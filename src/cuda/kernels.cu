@@ -507,9 +507,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t per_row = width / group;
   const int64_t n = rows * per_row;
   const int64_t real = num_tokens ? int64_t(*num_tokens) : rows;
-  auto gated = [](float a, float gv) {
-    return __fmul_rn(a, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gv))));
-  };
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * kThreads) {
     const int64_t t = i / per_row, col = (i % per_row) * group;

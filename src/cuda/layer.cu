@@ -159,6 +159,9 @@ struct Plan::Data {
   bool causal_decode = true;
   int max_blocks = 0;
   DecodePlan decode;
+  // Decode-only batches: combine, W_UV and the gate as the decode's epilogue launch
+  // (decode_attention_uv), optionally as a programmatic dependent of the split kernel.
+  bool decode_uv = false, decode_uv_pdl = false;
   // Prefill (eager plans only).
   int num_prefills = 0;
   int max_new_len = 0, max_ctx_q_len = 0;
@@ -382,9 +385,18 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->decode_rows = md.num_decode_tokens;
     d->decode_requests = md.num_decodes;
   }
-  if (d->decode_requests > 0)
+  if (d->decode_requests > 0) {
     d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable,
                             options.batch_invariant, f);
+    // KMLA_DECODE_UV=0 keeps the combine, batched W_UV and gate launches (A/B runs);
+    // KMLA_DECODE_UV_PDL=1 launches the epilogue as a programmatic dependent.
+    auto env_on = [](const char* name, bool fallback) {
+      const char* v = std::getenv(name);
+      return v && *v ? std::string_view(v) != "0" : fallback;
+    };
+    d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
+    d->decode_uv_pdl = env_on("KMLA_DECODE_UV_PDL", false);
+  }
 
   // ---- metadata image -------------------------------------------------------------------
   Layout L;
@@ -669,6 +681,13 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
 
   auto* attn = static_cast<std::byte*>(at(d.off_attn));  // [rows, H*128]
   const float scale = float(cfg.softmax_scale());
+  // The gate's input. Padding rows (past *num_tokens) of out must be zero: when o_proj covers
+  // every row of out from 16-bit inputs, the gate zeroes those rows of its input instead of
+  // a kernel after it.
+  const void* gate_in =
+      d.g_in_front ? static_cast<const void*>(front_out + front_width * as) : at(d.off_g);
+  const int64_t gate_stride = d.g_in_front ? fw : attn_width;
+  const bool gate_zeroes = cfg.use_output_gate && rows == d.rows && !o.fp8;
 
   // ---- 4. decode rows: absorbed MQA over the cache ------------------------------------------
   if (d.decode_rows > 0) {
@@ -705,9 +724,26 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     dp.out = at(d.off_latent);
     dp.lse = static_cast<float*>(at(d.off_dlse));
     dp.error_flag = flag;
-    decode_attention(dp, d.decode, at(d.off_dwork), s);
-    blas.main.batched_nn(H, Td, kVDim, kKvLoraRank, at(d.off_latent), int64_t(H) * kKvLoraRank, kKvLoraRank,
-                         w_uv.data(), kVDim, int64_t(kKvLoraRank) * kVDim, attn, attn_width, kVDim, act, s);
+    if (d.decode_uv) {  // every row is a decode row: W_UV and the gate in the epilogue
+      DecodeUvParams uv;
+      uv.w_uv = w_uv.data();
+      uv.attn = attn;
+      uv.attn_stride = attn_width;
+      if (cfg.use_output_gate) {
+        if (use_aux) KMLA_CUDA_CHECK(cudaStreamWaitEvent(s, join, 0));
+        uv.g = gate_in;
+        uv.g_stride = gate_stride;
+      }
+      uv.rows = Td;
+      uv.num_tokens = gate_zeroes ? batch.num_tokens : nullptr;
+      uv.programmatic = d.decode_uv_pdl;
+      decode_attention_uv(dp, d.decode, at(d.off_dwork), uv, s);
+    } else {
+      decode_attention(dp, d.decode, at(d.off_dwork), s);
+      blas.main.batched_nn(H, Td, kVDim, kKvLoraRank, at(d.off_latent), int64_t(H) * kKvLoraRank,
+                           kKvLoraRank, w_uv.data(), kVDim, int64_t(kKvLoraRank) * kVDim, attn,
+                           attn_width, kVDim, act, s);
+    }
   }
 
   // ---- 5. prefill rows: MHA over the new tokens, then the cached context ----------------------
@@ -829,16 +865,11 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
   }
 
   // ---- 6. gate and o_proj ---------------------------------------------------------------
-  // Padding rows (past *num_tokens) of out must be zero. When o_proj covers every row of out
-  // from 16-bit inputs, the gate zeroes those rows of its input instead of a kernel after it.
-  const bool gate_zeroes = cfg.use_output_gate && rows == d.rows && !o.fp8;
   if (rows > 0) {
     NvtxRange r("gate, o_proj");
-    if (cfg.use_output_gate) {
+    if (cfg.use_output_gate && !(d.decode_uv && d.decode_rows > 0)) {
       if (use_aux) KMLA_CUDA_CHECK(cudaStreamWaitEvent(s, join, 0));
-      const void* gv =
-          d.g_in_front ? static_cast<const void*>(front_out + front_width * as) : at(d.off_g);
-      gate(attn, gv, d.g_in_front ? fw : attn_width, rows, attn_width, act, s,
+      gate(attn, gate_in, gate_stride, rows, attn_width, act, s,
            gate_zeroes ? batch.num_tokens : nullptr);
     }
     auto* o8 = static_cast<uint8_t*>(at(d.off_o8));

@@ -1576,5 +1576,124 @@ TEST(CudaDecode, Sm90CopyIssueVariants) {
   run_copy_issue_variants(c, {{0, 0}, {1, 0}, {4, 0}});
 }
 
+// ---- the W_UV epilogue (decode_attention_uv) -----------------------------------------------
+// decode_attention_uv against the latent decode_attention writes (downloaded), times random
+// W_UV and gated by random g on the host: every schedule and tile form the harness runs
+// (balanced, per-request splits, one split's direct rows, the wgmma tiles, fp8 caches), rows
+// of no request and past num_tokens (zero), the output poisoned with NaN beforehand so that
+// every row must be written. With and without the gate, with and without PDL.
+// Tolerance per element, before the gate: two act ulps of the result (its rounding and fp32
+// accumulation over 512 terms, ~2^-15 relative) plus one act ulp flip of every latent value
+// (the epilogue merges partials itself, in another order than the combine, so a value may
+// round the other way): eps * sum_k |latent_k W_kn|, eps = 2^-7 (bf16) or 2^-10 (f16), the
+// largest relative spacing. The gate scales both by sigmoid(g) < 1 and adds its own rounding.
+TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
+  KMLA_REQUIRE_GPU();
+  if (!decode_uv_fits()) GTEST_SKIP() << "the epilogue's shared memory does not fit this GPU";
+  for (const bool with_gate : {true, false}) {
+    for (const bool pdl : {false, true}) {
+      int64_t checked = 0;
+      CaseHooks hooks;
+      hooks.label = std::string(with_gate ? "gate" : "no gate") + (pdl ? ", PDL" : "");
+      hooks.run = [&](const DecodeParams& p, const DecodePlan& plan, void* ws) {
+        const int H = p.heads, R = p.batch.num_requests;
+        const int64_t rows = p.batch.num_rows;
+        const int64_t astride = int64_t(H) * kVDim + 8, gstride = int64_t(H) * kVDim + 24;
+        std::mt19937 rng(uint32_t(rows * 31 + H));
+        std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+        auto act_bits = [&](float x) {
+          return p.act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x);
+        };
+        std::vector<uint16_t> w(size_t(H) * kKvLoraRank * kVDim), g(size_t(rows * gstride));
+        for (auto& x : w) x = act_bits(0.1f * uni(rng));
+        for (auto& x : g) x = act_bits(3.0f * uni(rng));
+        std::vector<int32_t> qs(size_t(R) + 1);
+        ASSERT_EQ(cudaMemcpy(qs.data(), p.batch.query_start, qs.size() * 4, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        const int32_t real = qs[size_t(R)];
+        DevBuf<uint16_t> d_w(w), d_g(g), d_attn(size_t(rows * astride));
+        DevBuf<int32_t> d_real(std::vector<int32_t>{real});
+        d_attn.fill_bytes(0xFF);
+        DecodeUvParams uv;
+        uv.w_uv = d_w.ptr;
+        uv.attn = d_attn.ptr;
+        uv.attn_stride = astride;
+        uv.g = with_gate ? d_g.ptr : nullptr;
+        uv.g_stride = gstride;
+        uv.rows = rows;
+        uv.num_tokens = with_gate ? d_real.ptr : nullptr;
+        uv.programmatic = pdl;
+        decode_attention_uv(p, plan, ws, uv, nullptr);
+        std::vector<uint16_t> attn = d_attn.download();  // (synchronizes)
+        decode_attention(p, plan, ws, nullptr);          // the whole latent, for run_case too
+        std::vector<uint16_t> latent(size_t(rows) * H * kKvLoraRank);
+        ASSERT_EQ(cudaMemcpy(latent.data(), p.out, latent.size() * 2, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        auto val = [&](uint16_t v) { return double(act_to_float(p.act, v)); };
+        auto round_act = [&](double x) { return double(act_to_float(p.act, act_bits(float(x)))); };
+        const double eps = p.act == DType::bf16 ? 0x1p-7 : 0x1p-10;
+        for (int64_t t = 0; t < rows; ++t) {
+          const int r = int(std::upper_bound(qs.begin(), qs.end(), int32_t(t)) - qs.begin()) - 1;
+          const bool live = r >= 0 && r < R;  // a token of a request (qs[R] = real)
+          for (int h = 0; h < H; ++h) {
+            for (int n = 0; n < kVDim; ++n) {
+              const double got = val(attn[size_t(t * astride + h * kVDim + n)]);
+              SCOPED_TRACE(::testing::Message()
+                           << "token " << t << " head " << h << " column " << n);
+              if (!live || (with_gate && t >= real)) {
+                ASSERT_EQ(got, 0.0);
+                continue;
+              }
+              double dot = 0.0, mag = 0.0;
+              for (int k = 0; k < kKvLoraRank; ++k) {
+                const double x = val(latent[size_t((t * H + h) * kKvLoraRank + k)]) *
+                                 val(w[size_t((int64_t(h) * kKvLoraRank + k) * kVDim + n)]);
+                dot += x;
+                mag += std::abs(x);
+              }
+              double want = round_act(dot);
+              double tol = 2.0 * act_ulp(p.act, float(std::abs(dot))) + eps * mag;
+              if (with_gate) {
+                const double sig =
+                    1.0 / (1.0 + std::exp(-val(g[size_t(t * gstride + h * kVDim + n)])));
+                want = round_act(want * sig);
+                tol = tol * sig + act_ulp(p.act, float(std::abs(want)));
+              }
+              ASSERT_NEAR(got, want, tol);
+              ++checked;
+            }
+          }
+        }
+      };
+      DecodeCase c;  // 16-row tiles, padded slots, a bad block
+      c.heads = 12;
+      c.block_size = 16;
+      c.seq_lens = {1000, 63, 65, 900, 4097, 1, 2000};
+      c.query_lens = {1, 1, 1, 0, 1, 1, 1};
+      c.bad_block_request = 2;
+      c.seed = 101;
+      run_case(c, {{0, 0}, {1, 0}, {3, 0}}, hooks);
+      c = DecodeCase{};  // wgmma tiles (64 heads), two tokens, fp16
+      c.act = DType::f16;
+      c.format = CacheFormat::fp16;
+      c.heads = 64;
+      c.block_size = 64;
+      c.seq_lens = {3000, 129, 64, 700};
+      c.query_lens = {2, 2, 1, 2};
+      c.seed = 102;
+      run_case(c, {{0, 0}, {2, 0}}, hooks);
+      c = DecodeCase{};  // fp8_ds_mla, odd heads, three tokens
+      c.format = CacheFormat::fp8_ds_mla;
+      c.heads = 7;
+      c.block_size = 64;
+      c.seq_lens = {5000, 257, 3};
+      c.query_lens = {3, 1, 2};
+      c.seed = 103;
+      run_case(c, {{0, 0}, {4, 0}}, hooks);
+      EXPECT_GT(checked, 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kmla::cuda
