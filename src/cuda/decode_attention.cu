@@ -2020,13 +2020,12 @@ __global__ void __launch_bounds__(kCombineThreads)
 //      merged from them in split order (weights exp(lse_s - max) over their sum), a row its
 //      only piece wrote directly is read from out, a row of no request is zero; rounded to
 //      act;
-//   3. multiplies them by W_UV[h] on mma.sync (warp w: output columns 32w .. 32w + 31, fp32
+//   3. multiplies them by W_UV[h] on mma.sync (warp w: output columns 8w .. 8w + 7, fp32
 //      accumulation), rounds to act, gates (the gate kernel's arithmetic, `gated`) and writes
 //      attn; rows t >= *num_tokens get zeros.
 // A row's arithmetic depends on its own partials only, so batch-invariant plans stay so.
-constexpr int kUvThreads = 128;
-constexpr int kUvWarps = kUvThreads / 32;
-constexpr int kUvTokens = 16;                // rows of one mma tile
+constexpr int kUvTokens = 16;                // rows of one mma tile, a warp each
+constexpr int kUvThreads = 32 * kUvTokens;   // warp w also computes output columns 8w .. 8w + 7
 constexpr int kUvAStride = kKvLoraRank + 8;  // elements: 1040-byte rows, ldmatrix conflict-free
 constexpr int kUvWStride = kVDim + 8;        // 272-byte rows
 constexpr int kUvSmemBytes = (kUvTokens * kUvAStride + kKvLoraRank * kUvWStride) * 2;  // 155.6 KB
@@ -2042,7 +2041,12 @@ struct UvArgs {
 };
 
 // Latent row (token t, head h) into v (lane's columns 4 lane + 128 k + {0..3}, k < 4) as
-// fp32: zero for a token of no request or a row past the plan; warp-uniform.
+// fp32: zero for a token of no request or a row past the plan; warp-uniform. Three dependent
+// round trips to L2: the request (a guess, r = t, checked with two loads: one token per
+// request; else a scan), its query length with the row's pair entry, then the LSEs together
+// with the first kUvLoads partials.
+constexpr int kUvLoads = 4;  // partials read before their weights are known
+
 template <class T>
 __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, int h,
                                               float (&v)[16]) {
@@ -2051,12 +2055,19 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
   for (int k = 0; k < 16; ++k) v[k] = 0.0f;
   // The request holding token t: the last r with query_start[r] <= t (requests without
   // tokens repeat their start, so the last one is the request that has t).
-  int count = 0;
-  for (int base = 0; base <= a.num_requests; base += 32) {
-    const int j = base + lane;
-    count += __popc(__ballot_sync(0xffffffffu, j <= a.num_requests && a.query_start[j] <= t));
+  int r = -1;
+  if (t < a.num_requests) {
+    const int g0 = a.query_start[t], g1 = a.query_start[t + 1];
+    if (g0 <= t && t < g1) r = int(t);
   }
-  const int r = count - 1;
+  if (r < 0) {
+    int count = 0;
+    for (int base = 0; base <= a.num_requests; base += 32) {
+      const int j = base + lane;
+      count += __popc(__ballot_sync(0xffffffffu, j <= a.num_requests && a.query_start[j] <= t));
+    }
+    r = count - 1;
+  }
   if (r < 0 || r >= a.num_requests) return;
   const int qlen = a.query_lens[r];
   const int token = int(t - a.query_start[r]);
@@ -2065,8 +2076,7 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
   const RowPartials rp = row_partials(a, int64_t(r) * a.max_rows + row, r, row);
   const int S = rp.S;
   if (a.direct_out || (a.balanced && S <= 1)) {  // the only piece wrote the row
-    const T* o = static_cast<const T*>(a.out) + t * int64_t(a.heads) * kKvLoraRank +
-                 int64_t(h) * kKvLoraRank + 4 * lane;
+    const T* o = static_cast<const T*>(a.out) + (t * a.heads + h) * int64_t(kKvLoraRank) + 4 * lane;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint2 x = __ldcg(reinterpret_cast<const uint2*>(o + 128 * k));
@@ -2077,6 +2087,18 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
     return;
   }
   auto lse_at = [&](int s) { return __ldcg(a.ws_lse + rp.part(a, s)); };
+  auto o_at = [&](int s, int k) {
+    return __ldcg(
+        reinterpret_cast<const float4*>(a.ws_o + rp.part(a, s) * kKvLoraRank + 4 * lane + 128 * k));
+  };
+  // The first partials' values with the LSEs: an empty one (its slot may hold NaN) is
+  // dropped by a select below, never multiplied.
+  float4 first[kUvLoads][4];
+#pragma unroll
+  for (int s = 0; s < kUvLoads; ++s)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      first[s][k] = s < S ? o_at(s, k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float my_lse = lane < S ? lse_at(lane) : kNegInf;
   float big = my_lse;
   for (int s = lane + 32; s < S; s += 32) big = fmaxf(big, lse_at(s));
@@ -2090,20 +2112,27 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  // w_s O_s in split order. A partial of weight 0 is never read (an empty one may hold NaN).
-  for (int s = 0; s < S; ++s) {
+  // w_s O_s in split order; a partial of weight 0 adds nothing.
+  auto add = [&](float w, const float4& x, int k) {
+    v[4 * k + 0] = fmaf(w, x.x, v[4 * k + 0]);
+    v[4 * k + 1] = fmaf(w, x.y, v[4 * k + 1]);
+    v[4 * k + 2] = fmaf(w, x.z, v[4 * k + 2]);
+    v[4 * k + 3] = fmaf(w, x.w, v[4 * k + 3]);
+  };
+#pragma unroll
+  for (int s = 0; s < kUvLoads; ++s) {
+    const float l = __shfl_sync(0xffffffffu, my_lse, s);
+    const float w = s < S && l != kNegInf ? expf(l - big) : 0.0f;
+    if (w != 0.0f)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) add(w, first[s][k], k);
+  }
+  for (int s = kUvLoads; s < S; ++s) {
     const float l = s < 32 ? __shfl_sync(0xffffffffu, my_lse, s) : lse_at(s);
     const float w = l == kNegInf ? 0.0f : expf(l - big);
     if (w == 0.0f) continue;
-    const float* o = a.ws_o + rp.part(a, s) * kKvLoraRank + 4 * lane;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(o + 128 * k));
-      v[4 * k + 0] = fmaf(w, x.x, v[4 * k + 0]);
-      v[4 * k + 1] = fmaf(w, x.y, v[4 * k + 1]);
-      v[4 * k + 2] = fmaf(w, x.z, v[4 * k + 2]);
-      v[4 * k + 3] = fmaf(w, x.w, v[4 * k + 3]);
-    }
+    for (int k = 0; k < 4; ++k) add(w, o_at(s, k), k);
   }
   const float inv = 1.0f / total;
 #pragma unroll
@@ -2122,16 +2151,17 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
   // 1. W_UV[h], 16-byte chunks
   const T* w = static_cast<const T*>(u.w_uv) + int64_t(h) * kKvLoraRank * kVDim;
   constexpr int kChunksPerRow = kVDim / 8;
+#pragma unroll 4
   for (int c = tid; c < kKvLoraRank * kChunksPerRow; c += kUvThreads) {
     const int k = c / kChunksPerRow, n = (c % kChunksPerRow) * 8;
     cp_async16(smem_addr(w_s + k * kUvWStride + n), w + k * kVDim + n, true);
   }
   cp_async_commit();
 
-  // 2. the latent rows (num_tokens is the caller's input: read before the wait)
+  // 2. the latent rows, warp i row i (num_tokens is the caller's input: read before the wait)
   const int64_t real = u.num_tokens ? int64_t(*u.num_tokens) : u.rows;
-  for (int i = warp; i < kUvTokens; i += kUvWarps) {
-    const int64_t t = t0 + i;
+  {
+    const int64_t t = t0 + warp;
     float v[16];
     if (t < u.rows && t < real) {
       uv_latent_row<T>(a, t, h, v);
@@ -2141,49 +2171,41 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      *reinterpret_cast<uint2*>(a_s + i * kUvAStride + 128 * k + 4 * lane) =
+      *reinterpret_cast<uint2*>(a_s + warp * kUvAStride + 128 * k + 4 * lane) =
           make_uint2(pack2<T>(v[4 * k], v[4 * k + 1]), pack2<T>(v[4 * k + 2], v[4 * k + 3]));
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  // 3. [16 x 512] x [512 x 128]: warp w's 32 columns as four m16n8 tiles
-  const int n0 = warp * 32;
-  float acc[4][4] = {};
+  // 3. [16 x 512] x [512 x 128]: warp w's 8 columns (one m16n8 tile), two k steps per B load
+  const int n0 = warp * 8;
+  float acc[4] = {};
 #pragma unroll 4
-  for (int kk = 0; kk < kKvLoraRank; kk += 16) {
-    uint32_t af[4];
-    ldsm_x4(smem_addr(a_s + (lane & 15) * kUvAStride + kk + (lane >> 4) * 8), af);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint32_t bf[4];
-      ldsm_x4_trans(smem_addr(w_s + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kUvWStride + n0 +
-                              16 * j + (lane >> 4) * 8),
-                    bf);
-      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
-      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
-    }
+  for (int kk = 0; kk < kKvLoraRank; kk += 32) {
+    uint32_t a0[4], a1[4], bf[4];
+    ldsm_x4(smem_addr(a_s + (lane & 15) * kUvAStride + kk + (lane >> 4) * 8), a0);
+    ldsm_x4(smem_addr(a_s + (lane & 15) * kUvAStride + kk + 16 + (lane >> 4) * 8), a1);
+    ldsm_x4_trans(smem_addr(w_s + (kk + lane) * kUvWStride + n0), bf);  // k rows kk .. kk + 31
+    mma_16816<T>(acc, a0, bf[0], bf[1]);
+    mma_16816<T>(acc, a1, bf[2], bf[3]);
   }
   const T* g = static_cast<const T*>(u.g);
   T* attn = static_cast<T*>(u.attn);
+  const int col = h * kVDim + n0 + 2 * (lane & 3);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int col = h * kVDim + n0 + 8 * j + 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t t = t0 + (lane >> 2) + 8 * half;
-      if (t >= u.rows) continue;
-      float x0 = round_to<T>(acc[j][2 * half]), x1 = round_to<T>(acc[j][2 * half + 1]);
-      if (t >= real) {
-        x0 = x1 = 0.0f;
-      } else if (g) {
-        const uint32_t gv = *reinterpret_cast<const uint32_t*>(g + t * u.g_stride + col);
-        const T* ge = reinterpret_cast<const T*>(&gv);
-        x0 = gated(x0, to_float(ge[0]));
-        x1 = gated(x1, to_float(ge[1]));
-      }
-      *reinterpret_cast<uint32_t*>(attn + t * u.attn_stride + col) = pack2<T>(x0, x1);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t t = t0 + (lane >> 2) + 8 * half;
+    if (t >= u.rows) continue;
+    float x0 = round_to<T>(acc[2 * half]), x1 = round_to<T>(acc[2 * half + 1]);
+    if (t >= real) {
+      x0 = x1 = 0.0f;
+    } else if (g) {
+      const uint32_t gv = *reinterpret_cast<const uint32_t*>(g + t * u.g_stride + col);
+      const T* ge = reinterpret_cast<const T*>(&gv);
+      x0 = gated(x0, to_float(ge[0]));
+      x1 = gated(x1, to_float(ge[1]));
     }
+    *reinterpret_cast<uint32_t*>(attn + t * u.attn_stride + col) = pack2<T>(x0, x1);
   }
 }
 

@@ -1634,7 +1634,7 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
         const double eps = p.act == DType::bf16 ? 0x1p-7 : 0x1p-10;
         for (int64_t t = 0; t < rows; ++t) {
           const int r = int(std::upper_bound(qs.begin(), qs.end(), int32_t(t)) - qs.begin()) - 1;
-          const bool live = r >= 0 && r < R;  // a token of a request (qs[R] = real)
+          const bool live = r >= 0 && r < R && t < qs[size_t(r) + 1];  // a token of request r
           for (int h = 0; h < H; ++h) {
             for (int n = 0; n < kVDim; ++n) {
               const double got = val(attn[size_t(t * astride + h * kVDim + n)]);
