@@ -1607,8 +1607,10 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
         std::vector<uint16_t> w(size_t(H) * kKvLoraRank * kVDim), g(size_t(rows * gstride));
         for (auto& x : w) x = act_bits(0.1f * uni(rng));
         for (auto& x : g) x = act_bits(3.0f * uni(rng));
-        std::vector<int32_t> qs(size_t(R) + 1);
+        std::vector<int32_t> qs(size_t(R) + 1, 0), ql(size_t(R), 0);
         ASSERT_EQ(cudaMemcpy(qs.data(), p.batch.query_start, qs.size() * 4, cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(ql.data(), p.batch.query_lens, ql.size() * 4, cudaMemcpyDeviceToHost),
                   cudaSuccess);
         const int32_t real = qs[size_t(R)];
         DevBuf<uint16_t> d_w(w), d_g(g), d_attn(size_t(rows * astride));
@@ -1634,7 +1636,7 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
         const double eps = p.act == DType::bf16 ? 0x1p-7 : 0x1p-10;
         for (int64_t t = 0; t < rows; ++t) {
           const int r = int(std::upper_bound(qs.begin(), qs.end(), int32_t(t)) - qs.begin()) - 1;
-          const bool live = r >= 0 && r < R && t < qs[size_t(r) + 1];  // a token of request r
+          const bool live = r >= 0 && r < R && t < qs[size_t(r)] + ql[size_t(r)];  // request r's
           for (int h = 0; h < H; ++h) {
             for (int n = 0; n < kVDim; ++n) {
               const double got = val(attn[size_t(t * astride + h * kVDim + n)]);
