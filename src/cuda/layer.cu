@@ -397,7 +397,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     };
     d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
     d->decode_uv_pdl = env_on("KMLA_DECODE_UV_PDL", false);
-    d->decode_uk = env_on("KMLA_DECODE_UK", true);  // =0: the batched GEMM (A/B runs)
+    d->decode_uk = env_on("KMLA_DECODE_UK", false);  // =1: decode_query_uk (A/B runs)
   }
 
   // ---- metadata image -------------------------------------------------------------------
