@@ -2769,6 +2769,25 @@ DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* worksp
   return a;
 }
 
+// Launches `kernel` after the split kernel on `stream`, as its programmatic dependent (sm_90:
+// the launch overlaps the split kernel's tail; the kernel waits with griddepcontrol.wait
+// before it reads the split kernel's output) when `programmatic`.
+template <class... Params, class... Args>
+void launch_after_split(void (*kernel)(Params...), dim3 grid, int threads, int smem,
+                        cudaStream_t stream, bool programmatic, const Args&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 // The combine of a split run whose pieces left partials (every plan but a per-request one of
 // one split): out / lse of every row with partials.
 void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStream_t stream) {
@@ -2802,21 +2821,9 @@ void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStr
       if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
         chunks = forced;
     }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim =
-        dim3(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
-    cfg.blockDim = dim3(kCombineThreads);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = plan.programmatic_combine ? 1 : 0;
-    if (rows_form)
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_rows_kernel<T>, a, chunks));
-    else
-      KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<T>, a, chunks));
+    const dim3 grid(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
+    launch_after_split(rows_form ? decode_combine_rows_kernel<T> : decode_combine_kernel<T>, grid,
+                       kCombineThreads, 0, stream, plan.programmatic_combine, a, chunks);
   });
 }
 
@@ -2841,10 +2848,8 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
                  reinterpret_cast<uintptr_t>(uv.attn) % 4 == 0 &&
                  reinterpret_cast<uintptr_t>(uv.g) % 4 == 0,
              "decode_attention_uv: w_uv must be 16-byte and attn, g 4-byte aligned");
-  KMLA_CHECK(decode_uv_fits(),
-             "decode_attention_uv: the GPU's shared memory per block is "
-             "below the epilogue's ",
-             kUvSmemBytes, " B (check decode_uv_fits())");
+  KMLA_CHECK(decode_uv_fits(), "decode_attention_uv: the epilogue needs ", kUvSmemBytes,
+             " B of shared memory per block, more than this GPU has (check decode_uv_fits())");
   const DecodeArgs a = run_split(p, plan, workspace, stream);
   if (uv.rows == 0) return;
   UvArgs u{uv.w_uv, uv.attn, uv.attn_stride, uv.g, uv.g_stride, uv.rows, uv.num_tokens};
@@ -2852,17 +2857,8 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
     auto* kernel = decode_uv_kernel<T>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUvSmemBytes));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(ceil_div(uv.rows, int64_t(kUvTokens))), unsigned(p.heads));
-    cfg.blockDim = dim3(kUvThreads);
-    cfg.dynamicSmemBytes = kUvSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = uv.programmatic ? 1 : 0;
-    KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, u));
+    const dim3 grid(unsigned(ceil_div(uv.rows, int64_t(kUvTokens))), unsigned(p.heads));
+    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, a, u);
   });
 }
 
