@@ -139,9 +139,9 @@ void decode_attention(const DecodeParams& p, const DecodePlan& plan, void* works
                       cudaStream_t stream);
 
 // Decode attention followed by the layer's value up-projection and output gate in one
-// epilogue launch (in place of the combine, a batched W_UV GEMM and the gate kernel):
-//   attn[t, h * 128 + n] = act(act(sum_k latent[t, h, k] W_UV[h, k, n]) * sigmoid(g[t, h * 128 +
-//   n]))
+// epilogue launch (in place of the combine, a batched W_UV GEMM and the gate kernel): with
+// c = h * 128 + n,
+//   attn[t, c] = act(act(sum_k latent[t, h, k] W_UV[h, k, n]) * sigmoid(g[t, c]))
 // for tokens t in [0, rows), latent being what decode_attention writes to p.out (rounded to
 // act). Without g, no gate. Tokens of no request get a zero latent; with num_tokens (a device
 // scalar), rows t >= *num_tokens are written as zeros. p.out and p.lse serve as scratch (the

@@ -2534,11 +2534,11 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 // Callers (the tests do) may overwrite the schedule, plan.num_splits (1..1024),
 // plan.num_workers (1..1024), the sched_* costs and plan.rows_per_cta (16, 32, 64) after
 // plan_decode, provided plan.workspace_bytes still covers decode_workspace_bytes(plan, ...)
-// (workspace_layout above); this is checked here.
+// (workspace_layout above); run_split checks this.
 namespace {
 
 // Checks the parameters and the plan and fills the split kernel's arguments but the
-// workspace pointers (decode_args_ws).
+// workspace pointers (run_split sets them).
 DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   const DeviceBatch& b = p.batch;
   KMLA_CHECK(p.heads >= 1 && p.heads <= 128, "decode: heads must be in [1, 128], got ", p.heads);
@@ -2619,10 +2619,6 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.pass_major = balanced && plan.pass_major;
   return a;
 }
-
-}  // namespace
-
-namespace {
 
 // The split kernel of decode_attention(p, plan); returns its arguments with the workspace
 // pointers, which the combine (or the W_UV epilogue) then reads. Nothing runs for a batch
