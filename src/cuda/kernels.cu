@@ -164,26 +164,40 @@ struct InsertArgs {
 // Stores: fp8 and ds_mla codes one 16-byte store per lane; bf16/fp16 two. Rows start on
 // 16-byte boundaries (the launcher checks the cache base and block stride, and every
 // entry size is a multiple of 16).
-// Row t's insert once its 512 latent values are in registers (lane l holds [16 l, 16 l + 16)):
-// the slot checks, the rope values, the codes.
+// What row t's insert reads besides its latent values: the slot and the lane's two rope
+// values. Loaded first, so that their round trip overlaps the latent's (the norm kernel).
+struct InsertSource {
+  int64_t slot = -1;
+  float r[2] = {0.0f, 0.0f};
+};
 template <class T>
-__device__ __forceinline__ void insert_row(const InsertArgs& args, int64_t t, const float (&v)[16],
-                                           int lane) {
+__device__ __forceinline__ InsertSource insert_source(const InsertArgs& args, int64_t t, int lane) {
   const CacheInsertParams& p = args.p;
-  const int64_t slot = p.slots[t];
+  InsertSource src;
+  src.slot = p.slots[t];
+  if (p.rope_f32) {
+    const float* rope = static_cast<const float*>(p.rope) + t * p.rope_stride + 2 * lane;
+    src.r[0] = rope[0], src.r[1] = rope[1];
+  } else {
+    const T* rope = static_cast<const T*>(p.rope) + t * p.rope_stride + 2 * lane;
+    src.r[0] = to_float(rope[0]), src.r[1] = to_float(rope[1]);
+  }
+  return src;
+}
+
+// Row t's insert once its 512 latent values are in registers (lane l holds [16 l, 16 l + 16)):
+// the slot checks, the codes.
+template <class T>
+__device__ __forceinline__ void insert_row(const InsertArgs& args, const InsertSource& src,
+                                           const float (&v)[16], int lane) {
+  const CacheInsertParams& p = args.p;
+  const int64_t slot = src.slot;
   if (slot < 0) return;
   if (slot >= p.cache.num_slots()) {
     if (lane == 0) raise_error(p.error_flag, kErrBadSlot);
     return;
   }
-  float r[2];
-  if (p.rope_f32) {
-    const float* src = static_cast<const float*>(p.rope) + t * p.rope_stride + 2 * lane;
-    r[0] = src[0], r[1] = src[1];
-  } else {
-    const T* src = static_cast<const T*>(p.rope) + t * p.rope_stride + 2 * lane;
-    r[0] = to_float(src[0]), r[1] = to_float(src[1]);
-  }
+  const float (&r)[2] = src.r;
   auto* dst = reinterpret_cast<uint8_t*>(p.cache.row(slot));
   switch (p.cache.format) {
     case CacheFormat::bf16:
@@ -243,7 +257,8 @@ __global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args)
   const int64_t t = warp_item();
   if (t >= p.rows) return;
   const int lane = lane_id();
-  if (p.slots[t] < 0) return;
+  const InsertSource src = insert_source<T>(args, t, lane);
+  if (src.slot < 0) return;
   float v[16];
   const T* kv = static_cast<const T*>(p.kv) + t * p.kv_stride + lane * 16;
   float lo[8], hi[8];
@@ -251,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) cache_insert_kernel(InsertArgs args)
   load8(kv + 8, args.kv_vec, hi);
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = lo[k], v[8 + k] = hi[k];
-  insert_row<T>(args, t, v, lane);
+  insert_row<T>(args, src, v, lane);
 }
 
 // ---- RMSNorm (and the fused cache insert) --------------------------------------------
@@ -296,10 +311,20 @@ __global__ void __launch_bounds__(kThreads, 2)  // <= 128 registers: 16 rows per
     float v[kNormChunks][8];
     const int c0 = lane * s.chunks;
     auto mine = [&](int k) { return k < s.chunks && (c0 + k) * 8 < s.n; };
+    // With the insert (the 512-wide latent, 2 chunks), its slot and rope values and the
+    // weights load with the row: one round trip before the stores instead of three.
+    const bool fused_insert = insert && blockIdx.y == 0;
+    InsertSource src;
+    if (fused_insert) src = insert_source<T>(ins, row, lane);
+    float g_early[2][8];
+    const bool early = s.chunks <= 2;
 #pragma unroll
     for (int k = 0; k < kNormChunks; ++k) {
       if (mine(k)) load8(x + (c0 + k) * 8, true, v[k]);
     }
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      if (early && mine(k)) load8(w + (c0 + k) * 8, true, g_early[k]);
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < kNormChunks; ++k) {
@@ -312,19 +337,25 @@ __global__ void __launch_bounds__(kThreads, 2)  // <= 128 registers: 16 rows per
 #pragma unroll
     for (int k = 0; k < kNormChunks; ++k) {
       if (mine(k)) {
-        float g[8];  // the weights (L2 hits after the first rows) in the second pass only
-        load8(w + (c0 + k) * 8, true, g);
+        // Longer rows take the weights (L2 hits after the first rows) in this second pass.
+        float g[8];
+        if (early && k < 2) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) g[e] = g_early[k < 2 ? k : 0][e];
+        } else {
+          load8(w + (c0 + k) * 8, true, g);
+        }
 #pragma unroll  // the act value itself: the cache insert encodes what the row now holds
         for (int e = 0; e < 8; ++e)
           v[k][e] = to_float(from_float<T>(__fmul_rn(__fmul_rn(v[k][e], inv), g[e])));
         store8(x + (c0 + k) * 8, true, v[k]);
       }
     }
-    if (insert && blockIdx.y == 0) {
+    if (fused_insert) {
       float r[16];
 #pragma unroll
       for (int e = 0; e < 8; ++e) r[e] = v[0][e], r[8 + e] = v[1][e];
-      insert_row<T>(ins, row, r, lane);
+      insert_row<T>(ins, src, r, lane);
     }
     return;
   }
