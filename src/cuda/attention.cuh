@@ -158,10 +158,14 @@ struct DecodeUvParams {
   // Launch the epilogue as a programmatic dependent of the split kernel (sm_90): its W_UV
   // loads overlap the split kernel's tail.
   bool programmatic = false;
+  // sm_90: the CTAs of a head's token tiles run as clusters of up to 8 and fetch W_UV[h] once
+  // for all of them (multicast bulk copies) instead of once each. Ignored elsewhere.
+  bool multicast = false;
 };
 void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                          const DecodeUvParams& uv, cudaStream_t stream);
 bool decode_uv_fits();
+bool decode_uv_multicast_supported();  // sm_90 and later
 
 // ---- prefill ------------------------------------------------------------------------
 // A [rows, heads, dim] operand with element strides: element (t, h, d) is at

@@ -31,6 +31,7 @@
 #include "cuda/decode_args.cuh"
 #include "cuda/decode_sched.cuh"
 #include "cuda/decode_sm90.cuh"
+#include "cuda/sm90.cuh"
 #include "kmla/config.hpp"
 
 namespace kmla::cuda {
@@ -2038,6 +2039,7 @@ struct UvArgs {
   int64_t g_stride;
   int64_t rows;               // tokens [0, rows) are written
   const int32_t* num_tokens;  // rows t >= *num_tokens are zero; null: none
+  bool multicast;             // launched in clusters along x: W_UV[h] by multicast bulk copies
 };
 
 // Latent row (token t, head h) into v (lane's columns 4 lane + 128 k + {0..3}, k < 4) as
@@ -2142,21 +2144,41 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
 template <class T>
 __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs a, const UvArgs u) {
   extern __shared__ __align__(16) std::byte uv_smem[];
+  __shared__ __align__(8) uint64_t w_bar;       // multicast: W_UV[h]'s bytes have landed
   T* const a_s = reinterpret_cast<T*>(uv_smem);  // [16][kUvAStride] latent rows
   T* const w_s = a_s + kUvTokens * kUvAStride;   // [512][kUvWStride] W_UV[h]
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int h = int(blockIdx.y);
   const int64_t t0 = int64_t(blockIdx.x) * kUvTokens;
 
-  // 1. W_UV[h], 16-byte chunks
+  // 1. W_UV[h]: 16-byte cp.async chunks, or (u.multicast, sm_90) the cluster's CTAs (token
+  // tiles of head h) each fetching 1 / n of its rows once for all of them.
   const T* w = static_cast<const T*>(u.w_uv) + int64_t(h) * kKvLoraRank * kVDim;
-  constexpr int kChunksPerRow = kVDim / 8;
+  if (u.multicast) {
+#if KMLA_SM90A
+    uint32_t rank, n;
+    asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+    if (tid == 0) {
+      sm90::mbar_init(&w_bar, 1);
+      sm90::fence_mbarrier_init();
+    }
+    sm90::cluster_sync();  // every CTA's barrier is initialised before any copy signals it
+    if (tid == 0) sm90::mbar_arrive_expect_tx(&w_bar, uint32_t(kKvLoraRank * kVDim * sizeof(T)));
+    const uint16_t mask = uint16_t((1u << n) - 1u);
+    for (uint32_t k = rank + uint32_t(tid) * n; k < uint32_t(kKvLoraRank); k += kUvThreads * n)
+      sm90::bulk_copy_multicast(smem_addr(w_s + k * kUvWStride), w + k * kVDim,
+                          uint32_t(kVDim * sizeof(T)), smem_addr(&w_bar), mask);
+#endif
+  } else {
+    constexpr int kChunksPerRow = kVDim / 8;
 #pragma unroll 4
-  for (int c = tid; c < kKvLoraRank * kChunksPerRow; c += kUvThreads) {
-    const int k = c / kChunksPerRow, n = (c % kChunksPerRow) * 8;
-    cp_async16(smem_addr(w_s + k * kUvWStride + n), w + k * kVDim + n, true);
+    for (int c = tid; c < kKvLoraRank * kChunksPerRow; c += kUvThreads) {
+      const int k = c / kChunksPerRow, n = (c % kChunksPerRow) * 8;
+      cp_async16(smem_addr(w_s + k * kUvWStride + n), w + k * kVDim + n, true);
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
 
   // 2. the latent rows, warp i row i (num_tokens is the caller's input: read before the wait)
   const int64_t real = u.num_tokens ? int64_t(*u.num_tokens) : u.rows;
@@ -2174,7 +2196,13 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
       *reinterpret_cast<uint2*>(a_s + warp * kUvAStride + 128 * k + 4 * lane) =
           make_uint2(pack2<T>(v[4 * k], v[4 * k + 1]), pack2<T>(v[4 * k + 2], v[4 * k + 3]));
   }
-  cp_async_wait<0>();
+  if (u.multicast) {
+#if KMLA_SM90A
+    sm90::mbar_wait(smem_addr(&w_bar), 0);
+#endif
+  } else {
+    cp_async_wait<0>();
+  }
   __syncthreads();
 
   // 3. [16 x 512] x [512 x 128]: warp w's 8 columns (one m16n8 tile), two k steps per B load
@@ -2207,6 +2235,9 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
     }
     *reinterpret_cast<uint32_t*>(attn + t * u.attn_stride + col) = pack2<T>(x0, x1);
   }
+#if KMLA_SM90A
+  if (u.multicast) sm90::cluster_sync();  // no CTA leaves while its copies to the others may be in flight
+#endif
 }
 
 // ---- host side ------------------------------------------------------------------------
@@ -2683,19 +2714,27 @@ DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* worksp
 // Launches `kernel` after the split kernel on `stream`, as its programmatic dependent (sm_90:
 // the launch overlaps the split kernel's tail; the kernel waits with griddepcontrol.wait
 // before it reads the split kernel's output) when `programmatic`.
+// `cluster` > 1: thread-block clusters of that many CTAs along x.
 template <class... Params, class... Args>
 void launch_after_split(void (*kernel)(Params...), dim3 grid, int threads, int smem,
-                        cudaStream_t stream, bool programmatic, const Args&... args) {
+                        cudaStream_t stream, bool programmatic, int cluster, const Args&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(unsigned(threads));
   cfg.dynamicSmemBytes = size_t(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {unsigned(cluster), 1, 1};
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
+  cfg.numAttrs = unsigned(n);
   KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
@@ -2734,7 +2773,7 @@ void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStr
     }
     const dim3 grid(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
     launch_after_split(rows_form ? decode_combine_rows_kernel<T> : decode_combine_kernel<T>, grid,
-                       kCombineThreads, 0, stream, plan.programmatic_combine, a, chunks);
+                       kCombineThreads, 0, stream, plan.programmatic_combine, 1, a, chunks);
   });
 }
 
@@ -2763,14 +2802,29 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
              " B of shared memory per block, more than this GPU has (check decode_uv_fits())");
   const DecodeArgs a = run_split(p, plan, workspace, stream);
   if (uv.rows == 0) return;
-  UvArgs u{uv.w_uv, uv.attn, uv.attn_stride, uv.g, uv.g_stride, uv.rows, uv.num_tokens};
+  // Multicast: clusters of up to 8 token tiles (a power of two), the grid padded to whole
+  // clusters (the extra CTAs fetch their share of W_UV and write nothing).
+  const int64_t tiles = ceil_div(uv.rows, int64_t(kUvTokens));
+  int cluster = 1;
+  if (uv.multicast && decode_uv_multicast_supported())
+    while (cluster < 8 && cluster < tiles) cluster *= 2;
+  const UvArgs u{uv.w_uv,   uv.attn,          uv.attn_stride, uv.g,
+                 uv.g_stride, uv.rows, uv.num_tokens, cluster > 1};
   dispatch_act(p.act, [&]<class T>() {
     auto* kernel = decode_uv_kernel<T>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUvSmemBytes));
-    const dim3 grid(unsigned(ceil_div(uv.rows, int64_t(kUvTokens))), unsigned(p.heads));
-    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, a, u);
+    const dim3 grid(unsigned(ceil_div(tiles, int64_t(cluster)) * cluster), unsigned(p.heads));
+    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, cluster, a,
+                       u);
   });
+}
+
+bool decode_uv_multicast_supported() {
+  int device = 0, major = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
 }
 
 bool decode_uv_fits() {

@@ -161,7 +161,7 @@ struct Plan::Data {
   DecodePlan decode;
   // Decode-only batches: combine, W_UV and the gate as the decode's epilogue launch
   // (decode_attention_uv), optionally as a programmatic dependent of the split kernel.
-  bool decode_uv = false, decode_uv_pdl = false;
+  bool decode_uv = false, decode_uv_pdl = false, decode_uv_multicast = false;
   // Prefill (eager plans only).
   int num_prefills = 0;
   int max_new_len = 0, max_ctx_q_len = 0;
@@ -396,6 +396,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     };
     d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
     d->decode_uv_pdl = env_on("KMLA_DECODE_UV_PDL", false);
+    d->decode_uv_multicast = env_on("KMLA_DECODE_UV_MULTICAST", false);  // (A/B runs)
   }
 
   // ---- metadata image -------------------------------------------------------------------
@@ -737,6 +738,7 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       uv.rows = Td;
       uv.num_tokens = gate_zeroes ? batch.num_tokens : nullptr;
       uv.programmatic = d.decode_uv_pdl;
+      uv.multicast = d.decode_uv_multicast;
       decode_attention_uv(dp, d.decode, at(d.off_dwork), uv, s);
     } else {
       decode_attention(dp, d.decode, at(d.off_dwork), s);

@@ -141,6 +141,25 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// All threads of every CTA of the cluster meet (release / acquire: shared-memory writes and
+// mbarrier inits before it are visible to the cluster's CTAs after it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
+}
+
+// `bytes` (a multiple of 16, 16-byte aligned both sides) from global `src` into shared memory
+// at offset `dst` of every CTA of the cluster in `mask`, each CTA's mbarrier at offset `bar`
+// receiving the bytes as transactions.
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes,
+                                                    uint32_t bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+      : "memory");
+}
+
 // ---- bulk tensor copies (TMA) ----------------------------------------------------------
 // One box of the 3-D tensor map `map` (a __grid_constant__ kernel parameter) at coordinates
 // (c0, c1, c2), innermost first, into shared memory at `dst`; completion is signalled to
