@@ -1703,5 +1703,74 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
   }
 }
 
+// decode_query_uk against exact products on the host. fp32 accumulation of 128 act products
+// errs by at most ~128 * 2^-24 of their magnitude, far below half an act ulp, so only the
+// final rounding differs from the exact sum: within one act ulp of it (plus 2^-20 of the
+// products' magnitude where the sum cancels). The q_pe part is copied bit for bit. q rows past
+// `rows` and every weight outside the [128, 512] block are NaN (never read); output rows past
+// `rows` keep their NaN poison (never written).
+TEST(CudaDecodeQueryUk, MatchesExactProducts) {
+  KMLA_REQUIRE_GPU();
+  struct Shape {
+    int rows, heads;
+  };
+  for (const DType act : {DType::bf16, DType::f16}) {
+    for (const Shape sh : {Shape{1, 1}, Shape{37, 7}, Shape{130, 12}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << dtype_name(act) << ", " << sh.rows << " rows x " << sh.heads << " heads");
+      std::mt19937 rng(uint32_t(sh.rows * 7 + sh.heads));
+      std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+      auto bits = [&](float x) { return act == DType::bf16 ? float_to_bf16(x) : float_to_fp16(x); };
+      auto val = [&](uint16_t v) { return double(act_to_float(act, v)); };
+      const int64_t q_stride = int64_t(sh.heads) * kQkHeadDim + 40;
+      const int64_t w_head = int64_t(kQkHeadDim) * kLatentDim;
+      std::vector<uint16_t> q(size_t((sh.rows + 3) * q_stride), 0xFFFF);
+      std::vector<uint16_t> w(size_t(sh.heads * w_head), 0xFFFF);
+      for (int64_t t = 0; t < sh.rows; ++t)
+        for (int64_t c = 0; c < q_stride; ++c) q[size_t(t * q_stride + c)] = bits(uni(rng));
+      for (int h = 0; h < sh.heads; ++h)
+        for (int p = 0; p < kNopeDim; ++p)
+          for (int n = 0; n < kKvLoraRank; ++n)
+            w[size_t(h * w_head + p * kLatentDim + n)] = bits(0.2f * uni(rng));
+      DevBuf<uint16_t> d_q(q), d_w(w), d_mqa(size_t(sh.rows + 2) * sh.heads * kLatentDim);
+      d_mqa.fill_bytes(0xFF);
+      DecodeQueryUkParams p;
+      p.q = d_q.ptr;
+      p.q_stride = q_stride;
+      p.w_uk = d_w.ptr;
+      p.w_row_stride = kLatentDim;
+      p.w_head_stride = w_head;
+      p.mqa = d_mqa.ptr;
+      p.rows = sh.rows;
+      p.heads = sh.heads;
+      p.act = act;
+      decode_query_uk(p, nullptr);
+      const std::vector<uint16_t> mqa = d_mqa.download();
+      for (int64_t t = 0; t < sh.rows + 2; ++t) {
+        for (int h = 0; h < sh.heads; ++h) {
+          const uint16_t* out = &mqa[size_t((t * sh.heads + h) * kLatentDim)];
+          const uint16_t* qh = &q[size_t(t * q_stride + h * kQkHeadDim)];
+          for (int n = 0; n < kLatentDim; ++n) {
+            SCOPED_TRACE(::testing::Message() << "row " << t << " head " << h << " column " << n);
+            if (t >= sh.rows) {
+              ASSERT_EQ(out[n], 0xFFFF);
+            } else if (n >= kKvLoraRank) {
+              ASSERT_EQ(out[n], qh[kNopeDim + n - kKvLoraRank]);
+            } else {
+              double sum = 0.0, mag = 0.0;
+              for (int k = 0; k < kNopeDim; ++k) {
+                const double x = val(qh[k]) * val(w[size_t(h * w_head + k * kLatentDim + n)]);
+                sum += x;
+                mag += std::abs(x);
+              }
+              ASSERT_NEAR(val(out[n]), sum, act_ulp(act, float(std::abs(sum))) + 0x1p-20 * mag);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kmla::cuda
