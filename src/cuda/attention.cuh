@@ -68,10 +68,6 @@ struct DecodePlan {
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
   // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
   bool programmatic_combine = false;
-  // Launch the split kernel as a programmatic dependent of whatever runs before it (sm_90):
-  // its launch and schedule prologue overlap that grid's tail. Off unless
-  // KMLA_DECODE_SPLIT_PDL=1 (not yet measured).
-  bool programmatic_split = false;
   int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile

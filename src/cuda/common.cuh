@@ -164,33 +164,6 @@ CacheRef cache_ref(const LatentCache& cache);
 // captured (timing, synchronization) checks this first.
 bool stream_capturing(cudaStream_t stream);
 
-// Launches `kernel` on `stream` (cudaLaunchKernelEx): as a programmatic dependent of the
-// launch before it when `programmatic` (sm_90: it may start while that grid finishes, and
-// must griddepcontrol.wait before it reads that grid's output), in thread-block clusters of
-// `cluster` CTAs along x when cluster > 1.
-template <class... Params, class... Args>
-void launch_ex(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream,
-               bool programmatic, int cluster, const Args&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (programmatic) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n++].val.clusterDim = {unsigned(cluster), 1, 1};
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = unsigned(n);
-  KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
 // A batch's request metadata in device memory, in the layout order of BatchMetadata.
 // Arrays are sized for a captured capacity; request slots past the real ones have
 // query_len 0 and seq_len 0, rows past the real ones have slot -1.

@@ -58,10 +58,6 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
-  // Host side: the split kernel launches as a programmatic dependent of the launch before it
-  // (DecodePlan::programmatic_split); it waits (griddepcontrol.wait) after its schedule's
-  // prologue, before it reads q.
-  bool programmatic;
 };
 
 // log2(block_size) for a power of two, else -1 (DecodeArgs::block_shift).

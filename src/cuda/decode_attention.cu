@@ -2456,7 +2456,8 @@ void launch_fp8_variant(const DecodeArgs& args, dim3 grid, cudaStream_t stream) 
   if constexpr ((kFp8 & kFp8ThreeCtas) != 0)
     KMLA_CUDA_CHECK(cudaFuncSetAttribute(variant, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          int(cudaSharedmemCarveoutMaxShared)));
-  launch_ex(variant, grid, 128, smem_bytes, stream, args.programmatic, 1, args);
+  variant<<<grid, 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
 }
 
 // fp8_ctas: DecodePlan::fp8_ctas_per_sm; pow2_scales: fp8_ds_mla's tile scales are powers
@@ -2483,7 +2484,8 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
   // that it holds on whichever device is current.
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  launch_ex(kernel, grid, ROWS / 16 * 128, smem_bytes, stream, args.programmatic, 1, args);
+  kernel<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
 }
 
 // The 16-row 16-bit-cache kernel's warp-own form (DecodePlan::row16_warp_own): the 2-stage
@@ -2494,7 +2496,8 @@ void launch_splitkv_warp_own(const DecodeArgs& args, dim3 grid, cudaStream_t str
   const int smem_bytes = smem_plan(16, 0, kStages).total;
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  launch_ex(kernel, grid, 128, smem_bytes, stream, args.programmatic, 1, args);
+  kernel<<<grid, 128, smem_bytes, stream>>>(args);
+  KMLA_LAUNCH_CHECK();
 }
 
 // DecodePlan::row16_warp_own for a finished plan: on for plans over a 16-bit cache that are
@@ -2628,7 +2631,6 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
   const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
-  plan.programmatic_split = major >= 9 && env_int("KMLA_DECODE_SPLIT_PDL", 0) != 0;
   plan.row16_warp_own = choose_row16_warp_own(plan, format);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
@@ -2732,7 +2734,6 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
   a.pass_major = balanced && plan.pass_major;
-  a.programmatic = plan.programmatic_split;
   return a;
 }
 
@@ -2796,6 +2797,33 @@ DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* worksp
   return a;
 }
 
+// Launches `kernel` after the split kernel on `stream`, as its programmatic dependent (sm_90:
+// the launch overlaps the split kernel's tail; the kernel waits with griddepcontrol.wait
+// before it reads the split kernel's output) when `programmatic`.
+// `cluster` > 1: thread-block clusters of that many CTAs along x.
+template <class... Params, class... Args>
+void launch_after_split(void (*kernel)(Params...), dim3 grid, int threads, int smem,
+                        cudaStream_t stream, bool programmatic, int cluster, const Args&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {unsigned(cluster), 1, 1};
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = unsigned(n);
+  KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 // The combine of a split run whose pieces left partials (every plan but a per-request one of
 // one split): out / lse of every row with partials.
 void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStream_t stream) {
@@ -2830,7 +2858,7 @@ void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStr
         chunks = forced;
     }
     const dim3 grid(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
-    launch_ex(rows_form ? decode_combine_rows_kernel<T> : decode_combine_kernel<T>, grid,
+    launch_after_split(rows_form ? decode_combine_rows_kernel<T> : decode_combine_kernel<T>, grid,
                        kCombineThreads, 0, stream, plan.programmatic_combine, 1, a, chunks);
   });
 }
@@ -2873,7 +2901,7 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUvSmemBytes));
     const dim3 grid(unsigned(ceil_div(tiles, int64_t(cluster)) * cluster), unsigned(p.heads));
-    launch_ex(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, cluster, a,
+    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, cluster, a,
                        u);
   });
 }

@@ -475,12 +475,6 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
   const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
   const int tid = int(threadIdx.x);
   if (a.balanced && !balanced_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent (DecodePlan::programmatic_split), the schedule's
-  // prologue (lengths only, the caller's inputs) ran while the grid before finished; q is
-  // its output. A no-op otherwise.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
   for (;;) {
     DecodeWork w;
     bool more;

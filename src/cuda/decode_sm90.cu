@@ -797,8 +797,9 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    launch_ex(kernel, grid, kThreads, kSmemAlloc, stream, a.programmatic, 1, a,
-              KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
+    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
+        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
+    KMLA_LAUNCH_CHECK();
   });
 }
 

@@ -85,7 +85,6 @@ struct PlanTweak {
   bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
   int fp8_ctas = 0;  // > 0: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row kernels)
   bool request_order = false;  // DecodePlan::pass_major off (the default walk is in pass order)
-  bool split_pdl = false;      // DecodePlan::programmatic_split (sm_90)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -313,7 +312,6 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     if (tweak.pdl) plan.programmatic_combine = true;
     if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
     if (tweak.request_order) plan.pass_major = false;
-    if (tweak.split_pdl) plan.programmatic_split = true;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;

@@ -1773,33 +1773,5 @@ TEST(CudaDecodeQueryUk, MatchesExactProducts) {
   }
 }
 
-// The split kernel launched as a programmatic dependent (DecodePlan::programmatic_split): its
-// schedule's prologue runs before griddepcontrol.wait, so q must be read only after it. The
-// harness writes q (a cudaMemcpy) right before; every schedule and kernel form.
-TEST(CudaDecode, SplitAsProgrammaticDependent) {
-  KMLA_REQUIRE_GPU();
-  PlanTweak pdl;
-  pdl.split_pdl = true;
-  PlanTweak pdl_splits = pdl;
-  pdl_splits.num_splits = 3;
-  DecodeCase c;  // 16-row tiles
-  c.heads = 12;
-  c.block_size = 16;
-  c.seq_lens = {1000, 63, 65, 0, 4097, 1};
-  c.query_lens = {1, 1, 1, 0, 1, 1};
-  c.seed = 111;
-  run_case(c, {pdl, pdl_splits});
-  c.heads = 64;  // the wgmma kernel
-  c.block_size = 64;
-  c.query_lens = {2, 1, 2, 0, 1, 2};
-  c.seed = 112;
-  run_case(c, {pdl, pdl_splits});
-  c.format = CacheFormat::fp8_ds_mla;  // the fp8 fragment path
-  c.heads = 16;
-  c.query_lens = {1, 1, 1, 0, 1, 1};
-  c.seed = 113;
-  run_case(c, {pdl, pdl_splits});
-}
-
 }  // namespace
 }  // namespace kmla::cuda
