@@ -2144,7 +2144,7 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
 template <class T>
 __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs a, const UvArgs u) {
   extern __shared__ __align__(16) std::byte uv_smem[];
-  __shared__ __align__(8) uint64_t w_bar;        // multicast: W_UV[h]'s bytes have landed
+  __shared__ __align__(8) uint64_t w_bar;       // multicast: W_UV[h]'s bytes have landed
   T* const a_s = reinterpret_cast<T*>(uv_smem);  // [16][kUvAStride] latent rows
   T* const w_s = a_s + kUvTokens * kUvAStride;   // [512][kUvWStride] W_UV[h]
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -2168,7 +2168,7 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
     const uint16_t mask = uint16_t((1u << n) - 1u);
     for (uint32_t k = rank + uint32_t(tid) * n; k < uint32_t(kKvLoraRank); k += kUvThreads * n)
       sm90::bulk_copy_multicast(smem_addr(w_s + k * kUvWStride), w + k * kVDim,
-                                uint32_t(kVDim * sizeof(T)), smem_addr(&w_bar), mask);
+                          uint32_t(kVDim * sizeof(T)), smem_addr(&w_bar), mask);
 #endif
   } else {
     constexpr int kChunksPerRow = kVDim / 8;
@@ -2236,8 +2236,7 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
     *reinterpret_cast<uint32_t*>(attn + t * u.attn_stride + col) = pack2<T>(x0, x1);
   }
 #if KMLA_SM90A
-  if (u.multicast)
-    sm90::cluster_sync();  // no CTA leaves while its copies to the others may be in flight
+  if (u.multicast) sm90::cluster_sync();  // no CTA leaves while its copies to the others may be in flight
 #endif
 }
 
@@ -2894,8 +2893,8 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
   int cluster = 1;
   if (uv.multicast && decode_uv_multicast_supported())
     while (cluster < 8 && cluster < tiles) cluster *= 2;
-  const UvArgs u{uv.w_uv,     uv.attn, uv.attn_stride, uv.g,
-                 uv.g_stride, uv.rows, uv.num_tokens,  cluster > 1};
+  const UvArgs u{uv.w_uv,   uv.attn,          uv.attn_stride, uv.g,
+                 uv.g_stride, uv.rows, uv.num_tokens, cluster > 1};
   dispatch_act(p.act, [&]<class T>() {
     auto* kernel = decode_uv_kernel<T>;
     KMLA_CUDA_CHECK(

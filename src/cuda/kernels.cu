@@ -197,7 +197,7 @@ __device__ __forceinline__ void insert_row(const InsertArgs& args, const InsertS
     if (lane == 0) raise_error(p.error_flag, kErrBadSlot);
     return;
   }
-  const float(&r)[2] = src.r;
+  const float (&r)[2] = src.r;
   auto* dst = reinterpret_cast<uint8_t*>(p.cache.row(slot));
   switch (p.cache.format) {
     case CacheFormat::bf16:

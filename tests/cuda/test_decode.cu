@@ -1591,10 +1591,9 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
   KMLA_REQUIRE_GPU();
   if (!decode_uv_fits()) GTEST_SKIP() << "the epilogue's shared memory does not fit this GPU";
   // (gate, PDL, multicast): the multicast form where the GPU has clusters (sm_90).
-  std::vector<std::array<bool, 3>> forms = {
-      {true, false, false}, {true, true, false}, {false, false, false}, {false, true, false}};
-  if (decode_uv_multicast_supported())
-    forms.push_back({true, false, true}), forms.push_back({false, true, true});
+  std::vector<std::array<bool, 3>> forms = {{true, false, false}, {true, true, false},
+                                            {false, false, false}, {false, true, false}};
+  if (decode_uv_multicast_supported()) forms.push_back({true, false, true}), forms.push_back({false, true, true});
   for (const auto& [with_gate, pdl, multicast] : forms) {
     {
       int64_t checked = 0;
