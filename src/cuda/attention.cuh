@@ -167,22 +167,6 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
 bool decode_uv_fits();
 bool decode_uv_multicast_supported();  // sm_90 and later
 
-// The decode query of a layer's decode rows from the projected query, in place of a batched
-// GEMM: mqa[t, h] = [act(sum_p q[t, h, p] W_UK^T[h][p][:]) | q[t, h, 128:192]] for t < rows,
-// p < 128, fp32 accumulation, the q_pe part copied. Rows past `rows` are not read.
-struct DecodeQueryUkParams {
-  const void* q = nullptr;  // row t, head h at q + t * q_stride + h * 192 (act)
-  int64_t q_stride = 0;     // elements
-  const void* w_uk =
-      nullptr;  // W_UK^T[h][p][n], n < 512, at w_uk + h * w_head_stride + p * w_row_stride + n
-  int64_t w_row_stride = 0, w_head_stride = 0;
-  void* mqa = nullptr;  // [rows, heads, 576] act
-  int64_t rows = 0;
-  int heads = 0;
-  DType act = DType::bf16;
-};
-void decode_query_uk(const DecodeQueryUkParams& p, cudaStream_t stream);
-
 // ---- prefill ------------------------------------------------------------------------
 // A [rows, heads, dim] operand with element strides: element (t, h, d) is at
 // ptr[t * row_stride + h * head_stride + d]. head_stride may be 0 (shared by all heads).

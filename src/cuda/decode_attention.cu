@@ -2240,91 +2240,6 @@ __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs 
 #endif
 }
 
-// ---- the decode query: [q_nope W_UK^T | q_pe] per head -------------------------------------
-// For a layer's decode rows (decode_query_uk), in place of a batched GEMM: mqa[t, h] =
-// [act(q_nope[t, h] . W_UK^T[h]) | q_pe[t, h]]. The CTA of (64 tokens, 128 output columns,
-// head h) loads its 64 x 128 query block and the 128 x 128 weight block with cp.async (one
-// round trip), its 4 warps each multiply 16 tokens on mma.sync (fp32 accumulation) and round
-// to act; the CTAs of the first column block also copy q_pe.
-constexpr int kUkTokens = 64;
-constexpr int kUkCols = 128;
-constexpr int kUkThreads = 128;
-constexpr int kUkStride = kNopeDim + 8;  // elements: 272-byte rows (both tiles are 128 wide)
-constexpr int kUkSmemBytes = (kUkTokens + kNopeDim) * kUkStride * 2;  // 52.2 KB
-
-struct UkArgs {
-  const void* q;  // row t, head h at q + t * q_stride + h * 192 (act)
-  int64_t q_stride;
-  const void* w;  // W_UK^T[h][p][n] at w + h * w_head_stride + p * w_row_stride + n
-  int64_t w_row_stride, w_head_stride;
-  void* mqa;  // [rows, heads, 576] act
-  int64_t rows;
-  int heads;
-};
-
-template <class T>
-__global__ void __launch_bounds__(kUkThreads) decode_query_uk_kernel(const UkArgs u) {
-  extern __shared__ __align__(16) std::byte uk_smem[];
-  T* const q_s = reinterpret_cast<T*>(uk_smem);  // [64][kUkStride]
-  T* const w_s = q_s + kUkTokens * kUkStride;    // [128][kUkStride]
-  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
-  const int64_t t0 = int64_t(blockIdx.x) * kUkTokens;
-  const int n0 = int(blockIdx.y) * kUkCols, h = int(blockIdx.z);
-  const T* q = static_cast<const T*>(u.q) + int64_t(h) * kQkHeadDim;
-  const T* w = static_cast<const T*>(u.w) + int64_t(h) * u.w_head_stride + n0;
-  constexpr int kChunks = kNopeDim / 8;  // 16-byte chunks per 128-wide row
-  for (int c = tid; c < kUkTokens * kChunks; c += kUkThreads) {
-    const int i = c / kChunks, k = (c % kChunks) * 8;
-    const bool valid = t0 + i < u.rows;  // rows past the end are zero-filled, never read
-    cp_async16(smem_addr(q_s + i * kUkStride + k), q + (valid ? (t0 + i) * u.q_stride : 0) + k,
-               valid);
-  }
-  for (int c = tid; c < kNopeDim * kChunks; c += kUkThreads) {
-    const int p = c / kChunks, n = (c % kChunks) * 8;
-    cp_async16(smem_addr(w_s + p * kUkStride + n), w + p * u.w_row_stride + n, true);
-  }
-  cp_async_commit();
-  T* const mqa = static_cast<T*>(u.mqa);
-  if (blockIdx.y == 0) {  // q_pe: 8 chunks of 16 bytes per token
-    for (int c = tid; c < kUkTokens * (kRopeDim / 8); c += kUkThreads) {
-      const int64_t t = t0 + c / (kRopeDim / 8);
-      const int k = (c % (kRopeDim / 8)) * 8;
-      if (t < u.rows)
-        *reinterpret_cast<uint4*>(mqa + (t * u.heads + h) * kLatentDim + kKvLoraRank + k) =
-            *reinterpret_cast<const uint4*>(q + t * u.q_stride + kNopeDim + k);
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  float acc[kUkCols / 8][4] = {};
-  const T* qw = q_s + warp * 16 * kUkStride;
-#pragma unroll
-  for (int kk = 0; kk < kNopeDim; kk += 16) {
-    uint32_t af[4];
-    ldsm_x4(smem_addr(qw + (lane & 15) * kUkStride + kk + (lane >> 4) * 8), af);
-#pragma unroll
-    for (int j = 0; j < kUkCols / 16; ++j) {
-      uint32_t bf[4];
-      ldsm_x4_trans(smem_addr(w_s + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * kUkStride + 16 * j +
-                              (lane >> 4) * 8),
-                    bf);
-      mma_16816<T>(acc[2 * j], af, bf[0], bf[1]);
-      mma_16816<T>(acc[2 * j + 1], af, bf[2], bf[3]);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kUkCols / 8; ++j) {
-    const int col = n0 + 8 * j + 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t t = t0 + warp * 16 + (lane >> 2) + 8 * half;
-      if (t < u.rows)
-        *reinterpret_cast<uint32_t*>(mqa + (t * u.heads + h) * kLatentDim + col) =
-            pack2<T>(acc[j][2 * half], acc[j][2 * half + 1]);
-    }
-  }
-}
-
 // ---- host side ------------------------------------------------------------------------
 // The largest deep-pipeline CTA over the cache formats (the plan does not know the format).
 int deep_smem_bytes() {
@@ -2917,32 +2832,6 @@ bool decode_uv_fits() {
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return optin >= kUvSmemBytes;
-}
-
-void decode_query_uk(const DecodeQueryUkParams& p, cudaStream_t stream) {
-  KMLA_CHECK(p.rows >= 0 && p.heads >= 1, "decode_query_uk: rows ", p.rows, " heads ", p.heads);
-  if (p.rows == 0) return;
-  KMLA_CHECK(p.q && p.w_uk && p.mqa, "decode_query_uk needs q, w_uk and mqa");
-  KMLA_CHECK(p.act == DType::bf16 || p.act == DType::f16,
-             "decode_query_uk: the activation dtype must be bf16 or f16, got ", dtype_name(p.act));
-  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  KMLA_CHECK(aligned(p.q) && aligned(p.w_uk) && aligned(p.mqa) && p.q_stride % 8 == 0 &&
-                 p.w_row_stride % 8 == 0 && p.w_head_stride % 8 == 0,
-             "decode_query_uk: q, w_uk, mqa and their strides (", p.q_stride, ", ", p.w_row_stride,
-             ", ", p.w_head_stride, " elements) must be 16-byte aligned");
-  KMLA_CHECK(p.q_stride >= int64_t(p.heads) * kQkHeadDim && p.w_row_stride >= kKvLoraRank,
-             "decode_query_uk: q_stride ", p.q_stride, " or w_row_stride ", p.w_row_stride,
-             " too small");
-  const UkArgs u{p.q, p.q_stride, p.w_uk, p.w_row_stride, p.w_head_stride, p.mqa, p.rows, p.heads};
-  dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = decode_query_uk_kernel<T>;
-    KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUkSmemBytes));
-    const dim3 grid(unsigned(ceil_div(p.rows, int64_t(kUkTokens))), unsigned(kKvLoraRank / kUkCols),
-                    unsigned(p.heads));
-    kernel<<<grid, kUkThreads, kUkSmemBytes, stream>>>(u);
-    KMLA_LAUNCH_CHECK();
-  });
 }
 
 }  // namespace kmla::cuda

@@ -162,7 +162,6 @@ struct Plan::Data {
   // Decode-only batches: combine, W_UV and the gate as the decode's epilogue launch
   // (decode_attention_uv), optionally as a programmatic dependent of the split kernel.
   bool decode_uv = false, decode_uv_pdl = false, decode_uv_multicast = false;
-  bool decode_uk = false;  // the decode query by decode_query_uk, not a batched GEMM
   // Prefill (eager plans only).
   int num_prefills = 0;
   int max_new_len = 0, max_ctx_q_len = 0;
@@ -398,7 +397,6 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
     d->decode_uv_pdl = env_on("KMLA_DECODE_UV_PDL", false);
     d->decode_uv_multicast = env_on("KMLA_DECODE_UV_MULTICAST", false);  // (A/B runs)
-    d->decode_uk = env_on("KMLA_DECODE_UK", false);  // =1: decode_query_uk (A/B runs)
   }
 
   // ---- metadata image -------------------------------------------------------------------
@@ -697,23 +695,9 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     NvtxRange r("decode attention");
     const int64_t Td = d.decode_rows;
     void* mqa = at(d.off_mqa);
-    if (d.decode_uk && reinterpret_cast<uintptr_t>(q) % 16 == 0 && q_stride % 8 == 0) {
-      DecodeQueryUkParams uk;  // W_UK^T is the top-left [128, 512] block of each w_uk_q head
-      uk.q = q;
-      uk.q_stride = q_stride;
-      uk.w_uk = w_uk_q.data();
-      uk.w_row_stride = kLatentDim;
-      uk.w_head_stride = int64_t(kQkHeadDim) * kLatentDim;
-      uk.mqa = mqa;
-      uk.rows = Td;
-      uk.heads = H;
-      uk.act = act;
-      decode_query_uk(uk, s);
-    } else {
-      blas.main.batched_nn(H, Td, kLatentDim, kQkHeadDim, q, q_stride, kQkHeadDim, w_uk_q.data(),
-                           kLatentDim, int64_t(kQkHeadDim) * kLatentDim, mqa,
-                           int64_t(H) * kLatentDim, kLatentDim, act, s);
-    }
+    blas.main.batched_nn(H, Td, kLatentDim, kQkHeadDim, q, q_stride, kQkHeadDim, w_uk_q.data(),
+                         kLatentDim, int64_t(kQkHeadDim) * kLatentDim, mqa, int64_t(H) * kLatentDim,
+                         kLatentDim, act, s);
     if (plain_fp8) {  // the e4m3 query (its rope part from the unrounded fp32 rotation)
       DecodeQueryParams dq;
       dq.mqa = mqa;
