@@ -155,12 +155,9 @@ struct DecodeUvParams {
   int64_t g_stride = 0;
   int64_t rows = 0;
   const int32_t* num_tokens = nullptr;
-  // Launch the epilogue as a programmatic dependent of the split kernel (sm_90): its W_UV
-  // loads overlap the split kernel's tail.
-  bool programmatic = false;
   // sm_90: the CTAs of a head's token tiles run as clusters of up to 8 and fetch W_UV[h] once
   // for all of them (multicast bulk copies) instead of once each. Ignored elsewhere.
-  bool multicast = false;
+  bool multicast = true;
 };
 void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                          const DecodeUvParams& uv, cudaStream_t stream);

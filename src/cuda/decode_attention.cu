@@ -2016,8 +2016,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 // write (act). The CTA of (16 tokens, head h):
 //   1. starts cp.async copies of W_UV[h] (512 x 128 act, 128 KB) into shared memory: they
 //      depend on nothing the split kernel writes;
-//   2. waits for the split grid (a no-op unless launched as its programmatic dependent) and
-//      builds the 16 latent rows in shared memory, a warp per row: a row with partials is
+//   2. builds the 16 latent rows in shared memory, a warp per row: a row with partials is
 //      merged from them in split order (weights exp(lse_s - max) over their sum), a row its
 //      only piece wrote directly is read from out, a row of no request is zero; rounded to
 //      act;
@@ -2815,8 +2814,7 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kUvSmemBytes));
     const dim3 grid(unsigned(ceil_div(tiles, int64_t(cluster)) * cluster), unsigned(p.heads));
-    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, uv.programmatic, cluster, a,
-                       u);
+    launch_after_split(kernel, grid, kUvThreads, kUvSmemBytes, stream, false, cluster, a, u);
   });
 }
 

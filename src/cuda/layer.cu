@@ -161,7 +161,7 @@ struct Plan::Data {
   DecodePlan decode;
   // Decode-only batches: combine, W_UV and the gate as the decode's epilogue launch
   // (decode_attention_uv), optionally as a programmatic dependent of the split kernel.
-  bool decode_uv = false, decode_uv_pdl = false, decode_uv_multicast = false;
+  bool decode_uv = false, decode_uv_multicast = true;
   // Prefill (eager plans only).
   int num_prefills = 0;
   int max_new_len = 0, max_ctx_q_len = 0;
@@ -388,15 +388,14 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
   if (d->decode_requests > 0) {
     d->decode = plan_decode(d->decode_requests, heads, max_qlen, max_seq, options.portable,
                             options.batch_invariant, f);
-    // KMLA_DECODE_UV=0 keeps the combine, batched W_UV and gate launches (A/B runs);
-    // KMLA_DECODE_UV_PDL=1 launches the epilogue as a programmatic dependent.
+    // KMLA_DECODE_UV=0 keeps the combine, batched W_UV and gate launches, and
+    // KMLA_DECODE_UV_MULTICAST=0 the epilogue's unclustered form (A/B runs).
     auto env_on = [](const char* name, bool fallback) {
       const char* v = std::getenv(name);
       return v && *v ? std::string_view(v) != "0" : fallback;
     };
     d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
-    d->decode_uv_pdl = env_on("KMLA_DECODE_UV_PDL", false);
-    d->decode_uv_multicast = env_on("KMLA_DECODE_UV_MULTICAST", false);  // (A/B runs)
+    d->decode_uv_multicast = env_on("KMLA_DECODE_UV_MULTICAST", true);
   }
 
   // ---- metadata image -------------------------------------------------------------------
@@ -737,7 +736,6 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
       }
       uv.rows = Td;
       uv.num_tokens = gate_zeroes ? batch.num_tokens : nullptr;
-      uv.programmatic = d.decode_uv_pdl;
       uv.multicast = d.decode_uv_multicast;
       decode_attention_uv(dp, d.decode, at(d.off_dwork), uv, s);
     } else {

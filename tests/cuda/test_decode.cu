@@ -1590,16 +1590,15 @@ TEST(CudaDecode, Sm90CopyIssueVariants) {
 TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
   KMLA_REQUIRE_GPU();
   if (!decode_uv_fits()) GTEST_SKIP() << "the epilogue's shared memory does not fit this GPU";
-  // (gate, PDL, multicast): the multicast form where the GPU has clusters (sm_90).
-  std::vector<std::array<bool, 3>> forms = {{true, false, false}, {true, true, false},
-                                            {false, false, false}, {false, true, false}};
-  if (decode_uv_multicast_supported()) forms.push_back({true, false, true}), forms.push_back({false, true, true});
-  for (const auto& [with_gate, pdl, multicast] : forms) {
+  // (gate, multicast): the multicast form where the GPU has clusters (sm_90).
+  std::vector<std::array<bool, 2>> forms = {{true, false}, {false, false}};
+  if (decode_uv_multicast_supported())
+    forms.push_back({true, true}), forms.push_back({false, true});
+  for (const auto& [with_gate, multicast] : forms) {
     {
       int64_t checked = 0;
       CaseHooks hooks;
-      hooks.label = std::string(with_gate ? "gate" : "no gate") + (pdl ? ", PDL" : "") +
-                    (multicast ? ", multicast" : "");
+      hooks.label = std::string(with_gate ? "gate" : "no gate") + (multicast ? ", multicast" : "");
       hooks.run = [&](const DecodeParams& p, const DecodePlan& plan, void* ws) {
         const int H = p.heads, R = p.batch.num_requests;
         const int64_t rows = p.batch.num_rows;
@@ -1629,7 +1628,6 @@ TEST(CudaDecodeUv, MatchesLatentTimesWuvGated) {
         uv.g_stride = gstride;
         uv.rows = rows;
         uv.num_tokens = with_gate ? d_real.ptr : nullptr;
-        uv.programmatic = pdl;
         uv.multicast = multicast;
         decode_attention_uv(p, plan, ws, uv, nullptr);
         std::vector<uint16_t> attn = d_attn.download();  // (synchronizes)
