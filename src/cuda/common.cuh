@@ -42,6 +42,14 @@ enum DeviceErrorBits : int {
   kErrBadPosition = 4,   // a position outside the RoPE table
 };
 
+// An L2 cache policy (createpolicy) under which the lines a load brings in are the first to
+// go when L2 needs room: for the decode kernels' key streams, which nothing reads again soon.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 __device__ inline void raise_error(int* flag, int bit) {
   if (flag) atomicOr(flag, bit);
 }

@@ -167,14 +167,21 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
-// The same with the 256-byte L2 prefetch-size hint: a miss fetches the aligned 256 bytes
-// around the chunk from DRAM, not only the sectors asked for. The 16-bit key loaders below use
-// it; on the H200 it made the 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and
-// block size (e.g. (128, 12, 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was
-// the busiest unit (91.5 %) with DRAM at 78 %.
-__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
+// A key-stream copy (the 16-bit key loaders below): the same with the 256-byte L2
+// prefetch-size hint (a miss fetches the aligned 256 bytes around the chunk from DRAM, not
+// only the sectors asked for) and the evict_first policy (the stream's lines go before any
+// other when L2 needs room: nothing reads a key line twice). On the H200 the hint made the
+// 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and block size (e.g. (128, 12,
+// 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was the busiest unit (91.5 %)
+// with DRAM at 78 %. evict_first on the H100 (2026-12-05, alternated): (128, 12, 8k) 421.1 /
+// 421.9 -> 418.4 / 419.0 us, (128, 16, 4k) 224.1 / 223.0 -> 220.4 / 221.2, mixed lengths
+// 426.2 / 425.4 -> 414.5 / 414.6, the K3 layer step 475.7 / 476.2 -> 473.8 / 474.6. (A
+// request's second row tile, when it has one, reads the same keys right after the first in
+// the pass order; evict_first gives up that L2 reuse.)
+__device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src, bool valid) {
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+      "l"(src), "r"(valid ? 16 : 0), "l"(l2_evict_first_policy()));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -1121,7 +1128,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
     if constexpr (!kConvert) {
       const uint32_t dst = smem_addr(tiles_s + stage * kKeyTile * kRowBytes);
       for (int c = my_part; c < kRowChunks; c += kThreadsPerKey)
-        cp_async16_l2_256(dst + swz(my_key, c), src + c * 16, ok);
+        cp_async16_stream(dst + swz(my_key, c), src + c * 16, ok);
     } else {
       const uint32_t dst = smem_addr(raw_s + (stage * kKeyTile + my_key) * a.entry_bytes);
       for (int c = my_part; c < a.entry_bytes / 16; c += kThreadsPerKey)
@@ -1169,8 +1176,8 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
           16 * part;
       const uint32_t d = base + key * kRowBytes + 256 * warp + ((part ^ (key & 7)) << 4);
       const bool valid = (bits >> key) & 1u;
-      cp_async16_l2_256(d, s0, valid);              // chunk 16 w + part
-      cp_async16_l2_256(d + 128, s0 + 128, valid);  // chunk 16 w + 8 + part
+      cp_async16_stream(d, s0, valid);              // chunk 16 w + part
+      cp_async16_stream(d + 128, s0 + 128, valid);  // chunk 16 w + 8 + part
     }
     // RoPE: chunk rc of keys rk and 16 + rk (the same low 3 bits, so the same swizzle)
     const int rk = lane >> 1, rc = 64 + 2 * warp + (lane & 1);
@@ -1180,7 +1187,7 @@ __device__ __forceinline__ void splitkv_piece(const DecodeArgs& a, const DecodeW
       const int key = 16 * r2 + rk;
       const std::byte* const s0 =
           reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, mine, key));
-      cp_async16_l2_256(d_rope + 16 * r2 * kRowBytes, s0 + 16 * rc, (bits >> key) & 1u);
+      cp_async16_stream(d_rope + 16 * r2 * kRowBytes, s0 + 16 * rc, (bits >> key) & 1u);
     }
   };
 

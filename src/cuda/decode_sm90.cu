@@ -81,6 +81,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// A key copy: evict_first, as the TMA key loads (see the loader below).
+__device__ __forceinline__ void cp_async16_key(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+               "l"(src), "r"(valid ? 16 : 0), "l"(l2_evict_first_policy()));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -337,6 +342,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int64_t out_row0 = load_q(a, work, q_s);
 
   // ---- key tile loader ----
+  // Both forms (cp.async and TMA) load keys under the L2 evict_first policy. Measured on the
+  // H100 (2026-12-05, two binaries alternated twice): (128, 12, 8k, q 4) 455.9 / 454.2 ->
+  // 437.1 / 437.7 us, the DSpark draft (64, 8, 8k, q 8) 251.4 / 251.3 -> 235.5 / 237.7, mixed
+  // q 2..6 518.7 / 517.3 -> 503.5 / 503.1; the 128 / 64-head shapes, whose two row-tile CTAs
+  // read the same keys, within noise (e.g. (64, 128, 8k) 338.9 / 336.9 against 337.5 / 337.6).
   const int my_key = tid >> 2, my_part = tid & 3;
   const int32_t* table = a.block_tables + int64_t(r) * a.max_blocks;
   auto fetch_block = [&](int tile) -> int {  // my key's block id in `tile`, read only if used
@@ -352,7 +362,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     const uint32_t dst = base + kKOff + stage * kTileBytes;
 #pragma unroll 2
     for (int c = my_part; c < kRowChunks; c += 4)
-      cp_async16(dst + tile_offset(my_key, c), src + c * 16, ok);
+      cp_async16_key(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
   // TMA: lane j of the issuing warp takes keys [G j, G j + G) of every tile (see above the
@@ -401,7 +411,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 #pragma unroll 1
       for (int pn = 0; pn < kPanels; ++pn)
         tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, decode_row_in_block(a, pos),
-                    block, &full_bar[stage]);
+                    block, &full_bar[stage], l2_evict_first_policy());
     }
   };
   auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
