@@ -162,7 +162,7 @@ struct DecodeUvParams {
 void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* workspace,
                          const DecodeUvParams& uv, cudaStream_t stream);
 bool decode_uv_fits();
-bool decode_uv_multicast_supported();  // sm_90 and later
+bool decode_uv_multicast_supported();  // sm_90 GPUs running the sm_90a code
 
 // ---- prefill ------------------------------------------------------------------------
 // A [rows, heads, dim] operand with element strides: element (t, h, d) is at

@@ -170,7 +170,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 // A key-stream copy (the 16-bit key loaders below): the same with the 256-byte L2
 // prefetch-size hint (a miss fetches the aligned 256 bytes around the chunk from DRAM, not
 // only the sectors asked for) and the evict_first policy (the stream's lines go before any
-// other when L2 needs room: nothing reads a key line twice). On the H200 the hint made the
+// other when L2 needs room). On the H200 the hint made the
 // 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and block size (e.g. (128, 12,
 // 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was the busiest unit (91.5 %)
 // with DRAM at 78 %. evict_first on the H100 (2026-12-05, alternated): (128, 12, 8k) 421.1 /
@@ -2825,11 +2825,14 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
   });
 }
 
+// The multicast form is compiled into the sm_90a code only (the sm_80 code would skip the
+// W_UV copies): true where that code runs (sm90a_kernel_runs_on, asked once per device).
 bool decode_uv_multicast_supported() {
-  int device = 0, major = 0;
+  static std::atomic<int> answers[kMaxSm90Devices] = {};
+  int device = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
-  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major >= 9;
+  return sm90a_kernel_runs_on(device, reinterpret_cast<const void*>(&decode_uv_kernel<bf16>),
+                              answers);
 }
 
 bool decode_uv_fits() {
