@@ -1,3 +1,6 @@
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/common.cuh"
 #include "cuda/sm90.cuh"
 
@@ -28,6 +31,15 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f) : nullptr;
   }();
   return fn;
+}
+
+// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
+bool env_switch(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
+             " must be 0 or 1, got '", env, "'");
+  return env[0] == '1';
 }
 
 bool stream_capturing(cudaStream_t stream) {

@@ -167,6 +167,10 @@ struct CacheRef {
 
 CacheRef cache_ref(const LatentCache& cache);
 
+// A 0|1 switch from the environment (A/B runs); unset or empty: `fallback`. Any other value
+// is an error.
+bool env_switch(const char* name, bool fallback);
+
 // Whether `stream` is capturing a graph, or cannot tell (the legacy stream while another stream
 // captures in global mode answers with an error, which is cleared): work that must not be
 // captured (timing, synchronization) checks this first.

@@ -170,14 +170,13 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 // A key-stream copy (the 16-bit key loaders below): the same with the 256-byte L2
 // prefetch-size hint (a miss fetches the aligned 256 bytes around the chunk from DRAM, not
 // only the sectors asked for) and the evict_first policy (the stream's lines go before any
-// other when L2 needs room). On the H200 the hint made the
-// 2-stage 16-row kernel 1.0-1.6 % faster on every long stream and block size (e.g. (128, 12,
-// 8k) 332.9 / 332.4 -> 329.3 / 328.9 us, alternated), where L2 was the busiest unit (91.5 %)
-// with DRAM at 78 %. evict_first on the H100 (2026-12-05, alternated): (128, 12, 8k) 421.1 /
-// 421.9 -> 418.4 / 419.0 us, (128, 16, 4k) 224.1 / 223.0 -> 220.4 / 221.2, mixed lengths
-// 426.2 / 425.4 -> 414.5 / 414.6, the K3 layer step 475.7 / 476.2 -> 473.8 / 474.6. (A
-// request's second row tile, when it has one, reads the same keys right after the first in
-// the pass order; evict_first gives up that L2 reuse.)
+// other when L2 needs room). On the H200 the hint made the 2-stage 16-row kernel 1.0-1.6 %
+// faster on every long stream and block size (e.g. (128, 12, 8k) 332.9 / 332.4 -> 329.3 /
+// 328.9 us, alternated), where L2 was the busiest unit (91.5 %) with DRAM at 78 %. evict_first on
+// the H100 (2026-12-05, alternated): (128, 12, 8k) 421.1 / 421.9 -> 418.4 / 419.0 us, (128, 16, 4k)
+// 224.1 / 223.0 -> 220.4 / 221.2, mixed lengths 426.2 / 425.4 -> 414.5 / 414.6, the K3 layer step
+// 475.7 / 476.2 -> 473.8 / 474.6. (A request's second row tile, when it has one, reads the same
+// keys right after the first in the pass order; evict_first gives up that L2 reuse.)
 __device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src, bool valid) {
   asm volatile(
       "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
@@ -2021,8 +2020,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 // GEMM and the gate: attn[t, h * 128 + n] = act(act(latent[t, h] . W_UV[h][:, n]) *
 // sigmoid(g[t, h * 128 + n])), latent[t, h] being the decode output row the combine would
 // write (act). The CTA of (16 tokens, head h):
-//   1. starts cp.async copies of W_UV[h] (512 x 128 act, 128 KB) into shared memory: they
-//      depend on nothing the split kernel writes;
+//   1. starts the copy of W_UV[h] (512 x 128 act, 128 KB) into shared memory, which depends
+//      on nothing the split kernel writes: cp.async, or on sm_90 multicast bulk copies shared
+//      by the cluster of the head's token tiles (each CTA fetches 1 / n of the rows);
 //   2. builds the 16 latent rows in shared memory, a warp per row: a row with partials is
 //      merged from them in split order (weights exp(lse_s - max) over their sum), a row its
 //      only piece wrote directly is read from out, a row of no request is zero; rounded to

@@ -694,15 +694,6 @@ bool sm90_kernel_runs_on(int device) {
       device, reinterpret_cast<const void*>(decode_sm90_kernel<bf16, false>), answers);
 }
 
-// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
-bool env_switch(const char* name, bool fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
-             " must be 0 or 1, got '", env, "'");
-  return env[0] == '1';
-}
-
 // The options of every launch: the environment's (read on first use), or a test's.
 DecodeSm90Options& current_options() {
   static DecodeSm90Options opt = [] {

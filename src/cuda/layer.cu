@@ -160,7 +160,7 @@ struct Plan::Data {
   int max_blocks = 0;
   DecodePlan decode;
   // Decode-only batches: combine, W_UV and the gate as the decode's epilogue launch
-  // (decode_attention_uv), optionally as a programmatic dependent of the split kernel.
+  // (decode_attention_uv), W_UV[h] fetched once per head by multicast where it can be.
   bool decode_uv = false, decode_uv_multicast = true;
   // Prefill (eager plans only).
   int num_prefills = 0;
@@ -390,12 +390,8 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
                             options.batch_invariant, f);
     // KMLA_DECODE_UV=0 keeps the combine, batched W_UV and gate launches, and
     // KMLA_DECODE_UV_MULTICAST=0 the epilogue's unclustered form (A/B runs).
-    auto env_on = [](const char* name, bool fallback) {
-      const char* v = std::getenv(name);
-      return v && *v ? std::string_view(v) != "0" : fallback;
-    };
-    d->decode_uv = d->Tp == 0 && env_on("KMLA_DECODE_UV", true) && decode_uv_fits();
-    d->decode_uv_multicast = env_on("KMLA_DECODE_UV_MULTICAST", true);
+    d->decode_uv = d->Tp == 0 && env_switch("KMLA_DECODE_UV", true) && decode_uv_fits();
+    d->decode_uv_multicast = env_switch("KMLA_DECODE_UV_MULTICAST", true);
   }
 
   // ---- metadata image -------------------------------------------------------------------

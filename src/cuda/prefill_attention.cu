@@ -524,15 +524,6 @@ void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream
 
 namespace {
 
-// A 0|1 switch from the environment; unset or empty: `fallback`. Any other value is an error.
-bool env_switch(const char* name, bool fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  KMLA_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name,
-             " must be 0 or 1, got '", env, "'");
-  return env[0] == '1';
-}
-
 // An integer in [lo, hi] from the environment; unset or empty: `fallback`.
 int env_int_in(const char* name, int fallback, int lo, int hi) {
   const char* env = std::getenv(name);
