@@ -2517,11 +2517,15 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
   // Balanced: one wave of workers on the CTA slots (264 on H200 for 16 / 32-row tiles, 132
-  // for 64-row ones); 16-row tiles take a multiple of the requests just below that
-  // (decode_balanced_workers). The 64-row (wgmma) kernel keeps every slot: there the aligned
-  // count (128 of 132 for 128 requests) made the uniform q = 4 batch 3.5 % faster but the
-  // mixed-query batch 2.8 % slower (424.5 against 413.2 us), where 16-row mixed batches did
-  // not move. The device takes fewer workers when the batch is small (sched_min_keys).
+  // for 64-row ones), a multiple of the requests just below that when one is near
+  // (decode_balanced_workers): a uniform batch then cuts no request, so no row needs the
+  // combine and no CTA switches requests. For the 64-row (wgmma) kernel, measured on H100
+  // (2026-12-05, eighth session, alternated): 128 workers in place of all 132 slots made
+  // q 4 (128, 12, 8k) 436.8 -> 422.0 us, DSpark 235.8 -> 228.5, (64, 128, 8k) 331.5 ->
+  // 320.9, (128, 128, 4k) 346.3 -> 339.9, (16, 128, 4k) 76.9 -> 69.6, and left the mixed
+  // q 2..6 batch as it was (501.8 against 504.6; an H200 measurement of an older kernel had
+  // it 2.8 % slower). The device takes fewer workers when the batch is small
+  // (sched_min_keys).
   const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
   // One request has nothing to balance: its equal per-request splits were faster on H200
   // (64K keys: 50.3 against 62.4 us balanced; 1M: 343.5 against 346.3).
@@ -2530,10 +2534,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
                                               num_requests <= kDecodeBalancedMaxRequests;
   if (balanced && num_requests > 0) {
     plan.schedule = DecodeSchedule::balanced;
-    const int64_t workers =
-        plan.rows_per_cta == 16 ? decode_balanced_workers(slots, num_requests) : slots;
-    plan.num_workers =
-        int(std::clamp<int64_t>(env_int("KMLA_DECODE_WORKERS", int(workers)), 1, kMaxSplits));
+    plan.num_workers = int(std::clamp<int64_t>(
+        env_int("KMLA_DECODE_WORKERS", int(decode_balanced_workers(slots, num_requests))), 1,
+        kMaxSplits));
     plan.sched_pair_keys = env_int("KMLA_DECODE_PAIR_KEYS", plan.sched_pair_keys);
     plan.sched_min_keys = env_int("KMLA_DECODE_MIN_KEYS", plan.sched_min_keys);
     plan.sched_nosplit_keys = env_int("KMLA_DECODE_NOSPLIT_KEYS", plan.sched_nosplit_keys);
