@@ -2544,15 +2544,19 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   }
   int major = 0;
   KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  // Off for balanced plans: launched early, the combine's waiting CTAs take SM slots from
-  // the split kernel. Measured on H200: mixed lengths 327 us without against 358 with,
-  // (1, 12, 64K) balanced 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6.
-  // On for a per-request grid of one wave (one long request): every split CTA is resident
-  // from the start, so the combine's CTAs (no dynamic shared memory) only use what the
-  // split CTAs leave of each SM, and the gap between the kernels goes. KMLA_DECODE_PDL=0|1
-  // overrides.
+  // Off for balanced plans of 16 / 32-row tiles: launched early, the combine's waiting CTAs
+  // took SM slots from the split kernel. Measured on H200: mixed lengths 327 us without against 358
+  // with, (1, 12, 64K) balanced 56.5 against 62.4; uniform (128, 12, 8K) 337.8 against 333.6. On
+  // for a per-request grid of one wave (one long request): every split CTA is resident from the
+  // start, so the combine's CTAs (no dynamic shared memory) only use what the split CTAs leave of
+  // each SM, and the gap between the kernels goes. On for balanced plans of 64-row tiles, whose
+  // combine is the heaviest (64 rows a pair; 14-18 us on H200 when skipped): on H100 (2026-12-05,
+  // eighth session, alternated twice) it saved 1-3.5 us on every wgmma shape ((128, 128, 4k) 343.4
+  // / 342.6 -> 339.4 / 339.7, q 4 423.5 / 423.9 -> 422.1 / 422.6, mixed q 2..6 505.5 / 505.7 ->
+  // 504.5 / 502.7). The 16-row shapes gained 0.5-2 us there too but stay off: the H200 had them
+  // within +-0.8 % and mixed lengths 1 % slower (2026-12-03, night). KMLA_DECODE_PDL=0|1 overrides.
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
-  const bool pdl_default = !balanced && one_wave && plan.num_splits > 1;
+  const bool pdl_default = balanced ? plan.rows_per_cta == 64 : one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   plan.row16_warp_own = choose_row16_warp_own(plan, format);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);

@@ -252,6 +252,15 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
     ASSERT_EQ(rows64.rows_per_cta, 64);
     EXPECT_EQ(rows16.num_workers, decode_balanced_workers(2 * int64_t(sms), 128));
     EXPECT_EQ(rows64.num_workers, decode_balanced_workers(sms, 64));
+    // The combine of 64-row balanced plans is a programmatic dependent on sm_90; 16-row ones
+    // launch it plainly.
+    int major = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+              cudaSuccess);
+    if (!std::getenv("KMLA_DECODE_PDL")) {
+      EXPECT_EQ(rows64.programmatic_combine, major >= 9);
+      EXPECT_FALSE(rows16.programmatic_combine);
+    }
   }
 }
 
