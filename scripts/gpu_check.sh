@@ -8,7 +8,8 @@
 # The ab form times `kmla bench --only CASES` under each SETTING (environment assignments,
 # e.g. "KMLA_DECODE_PASS_ORDER=0"; "" for the defaults), the settings alternated twice in
 # one process each so that clock and machine drift hit them alike, one line per case; with
-# KMLA_GEMM_VERBOSE=1 in a setting, also the GEMM tuning's choices (layer cases).
+# KMLA_GEMM_VERBOSE=1 in a setting, also the GEMM tuning's choices (layer cases). The lines
+# also go to $OUT/ab.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -50,12 +51,13 @@ fi
 if [ "$what" = ab ]; then
   cases=$2
   shift 2
+  : >"$out/ab.txt"  # every line also here: the call's output keeps only its tail
   for round in 1 2; do
     for setting in "$@"; do
       # shellcheck disable=SC2086  # a setting is a list of assignments
       env $setting build-gpu/kmla bench --only "$cases" --json >"$out/ab.json" 2>"$out/ab.err" ||
         { echo "bench failed under '$setting'"; tail -5 "$out/ab.err"; }
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f\"{sys.argv[2] or 'defaults':40.40s} {sys.argv[3]} {c.get('name'):56.56s} {c.get('us') or 0:9.1f} us {c.get('tflops') or 0:7.1f} TF {c.get('frac_copy_bw') or 0:6.3f} copy {c.get('floor_ratio') or 0:6.3f} x {c.get('error', '')}\") for c in d.get('cases', [])]" "$out/ab.json" "$setting" "$round"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f\"{sys.argv[2] or 'defaults':40.40s} {sys.argv[3]} {c.get('name'):56.56s} {c.get('us') or 0:9.1f} us {c.get('tflops') or 0:7.1f} TF {c.get('frac_copy_bw') or 0:6.3f} copy {c.get('floor_ratio') or 0:6.3f} x {c.get('error', '')}\") for c in d.get('cases', [])]" "$out/ab.json" "$setting" "$round" | tee -a "$out/ab.txt"
       # With KMLA_GEMM_VERBOSE=1 in a setting: what GEMM tuning chose (first round).
       [ "$round" = 1 ] && grep -h ': tuned over' "$out/ab.err" | sed 's/^/  /' | head -20
     done
