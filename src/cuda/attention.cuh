@@ -66,8 +66,16 @@ struct DecodePlan {
   // shapes unchanged. KMLA_DECODE_PASS_ORDER=0 gives request order (A/B runs).
   bool pass_major = true;
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
-  // launch overlaps the split kernel's tail. Off unless KMLA_DECODE_PDL=1 (measured slower).
+  // launch overlaps the split kernel's tail. plan_decode sets it for balanced 64-row plans and
+  // one-wave per-request grids of several splits (KMLA_DECODE_PDL=0|1 overrides).
   bool programmatic_combine = false;
+  // balanced: no combine launch; the split kernel runs as a cooperative grid and, after a
+  // grid-wide barrier, each worker merges its share of the rows of the pairs it ran a cut
+  // piece of (decode_combine.cuh). Where the grid cannot be resident at once the combine
+  // kernel runs as before. plan_decode sets it for balanced plans unless their rows expect
+  // more than 32 partials (a few long requests), which the combine's CTA-per-row form merges
+  // faster (KMLA_DECODE_FUSED=0|1 overrides).
+  bool fused_combine = false;
   int num_splits = 1;     // per_request: KV splits per request (ceil(seq / num_splits) each)
   int max_query_len = 1;  // largest query_len any request may have in this shape
   int rows_per_cta = 16;  // (token, head) rows per CTA tile

@@ -58,6 +58,9 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
+  // balanced, launched cooperatively: the split kernel merges the cut pairs itself after a
+  // grid-wide barrier and no combine runs (decode_combine.cuh, DecodePlan::fused_combine).
+  bool fused_combine;
 };
 
 // log2(block_size) for a power of two, else -1 (DecodeArgs::block_shift).

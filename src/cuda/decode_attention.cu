@@ -29,6 +29,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/decode_args.cuh"
+#include "cuda/decode_combine.cuh"
 #include "cuda/decode_sched.cuh"
 #include "cuda/decode_sm90.cuh"
 #include "cuda/sm90.cuh"
@@ -1700,9 +1701,12 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
                                                                                   : 2)
     decode_splitkv_kernel(const DecodeArgs a) {
   if constexpr (ROWS == 16) {
-    for_each_decode_work<ROWS, kKeyTile>(a, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kWarpOwn>(a, w);
-    });
+    for_each_decode_work<ROWS, kKeyTile>(
+        a,
+        [&](const DecodeWork& w) {
+          splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kWarpOwn>(a, w);
+        },
+        [&](const DecodeWork& w) { merge_cut_piece<T>(a, w); });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
     // loop over pieces the compiler would keep values it derives from the arguments (the
@@ -1711,9 +1715,10 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
     __shared__ DecodeArgs args_s;
     if (threadIdx.x == 0) args_s = a;
     __syncthreads();
-    for_each_decode_work<ROWS, kKeyTile>(args_s, [&](const DecodeWork& w) {
-      splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(args_s, w);
-    });
+    for_each_decode_work<ROWS, kKeyTile>(
+        args_s,
+        [&](const DecodeWork& w) { splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(args_s, w); },
+        [&](const DecodeWork& w) { merge_cut_piece<T>(args_s, w); });
   }
 }
 
@@ -1742,37 +1747,6 @@ constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineInvariantChunks = 4;
 
-// Where the partials of (request r, row `row`) are, for both forms: S of them, partial s's
-// LSE at a.ws_lse[part(s)] and its output at a.ws_o + part(s) * 512. On a balanced plan
-// S <= 1 means the tile's only piece wrote out / lse itself (nothing to merge); a
-// batch-invariant grid's later splits are empty (LSE -inf, weight exactly 0) and not visited.
-struct RowPartials {
-  int64_t item;  // (request, row) pair
-  int row, S, w0;
-  __device__ int64_t part(const DecodeArgs& a, int s) const {
-    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
-                      : item * a.num_splits + s;
-  }
-};
-
-// Waits for the split grid first (a no-op unless launched as its programmatic dependent): the
-// pair table and the partials are its output.
-__device__ __forceinline__ RowPartials row_partials(const DecodeArgs& a, int64_t item, int r,
-                                                    int row) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-  RowPartials p{item, row, a.num_splits, 0};
-  if (a.balanced) {
-    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
-    p.w0 = pieces.x;
-    p.S = pieces.y;
-  } else if (a.batch_invariant) {
-    p.S = invariant_splits(a.seq_lens[r], a.num_splits);
-  }
-  return p;
-}
-
 template <class T>
 __global__ void __launch_bounds__(kCombineThreads)
     decode_combine_kernel(const DecodeArgs a, int chunks) {
@@ -1785,97 +1759,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (row >= a.query_lens[r] * a.heads) return;
   // (Inputs, never written by the split kernel: read before row_partials waits for it, so
   // under PDL their latency overlaps the split kernel's tail.)
-  const RowPartials rp = row_partials(a, item, r, row);
-  const int S = rp.S;
-  if (a.balanced && S <= 1) return;
-  auto part = [&](int s) { return rp.part(a, s); };
-  auto lse_at = [&](int s) { return a.ws_lse[part(s)]; };
-  auto o_at = [&](int s) { return a.ws_o + part(s) * kKvLoraRank; };
-
-  // Lane s keeps partial s's LSE (and below its weight) in a register: with S <= 32 (all
-  // but one long request) the O loop takes the weight by a shuffle and the LSEs cost one
-  // round trip instead of three. The arithmetic is the general loop's, value for value.
-  const float my_lse = lane < S ? lse_at(lane) : kNegInf;
-  float big = my_lse;
-  for (int s = lane + 32; s < S; s += 32) big = fmaxf(big, lse_at(s));
-  for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-
-  const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
-  const int col_lanes = chunk_f4 < 32 ? chunk_f4 : 32;
-  const int groups = 32 / col_lanes, per_lane = chunk_f4 / col_lanes;  // per_lane <= 4
-  const int group = lane / col_lanes;
-  const int col0 = (chunk * chunk_f4 + lane % col_lanes) * 4;  // + 4 col_lanes k
-  const int64_t out_row = int64_t(a.query_start[r]) * a.heads + row;
-  T* out = static_cast<T*>(a.out) + out_row * kKvLoraRank + col0;
-  if (big == kNegInf) {  // no split saw a key: zeros and -inf
-    if (group == 0)
-      for (int k = 0; k < per_lane; ++k)
-        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) = make_uint2(0, 0);
-    if (chunk == 0 && lane == 0) a.lse[out_row] = kNegInf;
-    return;
-  }
-  const float my_w = my_lse == kNegInf ? 0.0f : expf(my_lse - big);
-  float total = 0.0f;
-  total += my_w;
-  for (int s = lane + 32; s < S; s += 32) {
-    const float l = lse_at(s);
-    total += l == kNegInf ? 0.0f : expf(l - big);
-  }
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-
-  float4 sum[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) sum[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  // Adds w_s O_s. A weight of 0 adds nothing: an empty partial (LSE -inf, its slot may
-  // hold NaN) is never read, and one whose weight underflowed would add exact zeros.
-  auto add = [&](int s, float w) {
-    const float* o = o_at(s) + col0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (k < per_lane) {
-        const float4 v = *reinterpret_cast<const float4*>(o + 4 * col_lanes * k);
-        sum[k].x += w * v.x;
-        sum[k].y += w * v.y;
-        sum[k].z += w * v.z;
-        sum[k].w += w * v.w;
-      }
-    }
-  };
-  if (S <= 32) {
-#pragma unroll 4
-    for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
-      const int s = s0 + group;
-      const float w = __shfl_sync(0xffffffffu, my_w, s & 31);
-      if (s < S && w != 0.0f) add(s, w);
-    }
-  } else {
-#pragma unroll 4
-    for (int s = group; s < S; s += groups) {
-      const float l = lse_at(s);
-      if (l == kNegInf) continue;
-      const float w = expf(l - big);
-      if (w != 0.0f) add(s, w);
-    }
-  }
-  for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      sum[k].x += __shfl_xor_sync(0xffffffffu, sum[k].x, o);
-      sum[k].y += __shfl_xor_sync(0xffffffffu, sum[k].y, o);
-      sum[k].z += __shfl_xor_sync(0xffffffffu, sum[k].z, o);
-      sum[k].w += __shfl_xor_sync(0xffffffffu, sum[k].w, o);
-    }
-  }
-  const float inv = 1.0f / total;
-  if (group == 0) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (k < per_lane)
-        *reinterpret_cast<uint2*>(out + 4 * col_lanes * k) =
-            make_uint2(pack2<T>(sum[k].x * inv, sum[k].y * inv),
-                       pack2<T>(sum[k].z * inv, sum[k].w * inv));
-  }
-  if (chunk == 0 && lane == 0) a.lse[out_row] = big + logf(total);
+  const RowPartials rp[1] = {row_partials(a, item, r, row)};
+  if (a.balanced && rp[0].S <= 1) return;
+  combine_rows<T, 1>(a, rp, r, chunk, chunks, lane);
 }
 
 // ---- combine, many partials per row: one CTA per (row, column chunk) ---------------------
@@ -2366,7 +2252,7 @@ int fp8_kernel_variant(CacheFormat format, int ctas, bool pow2_scales) {
 
 // Launches a fragment-path kernel; its shared memory follows from its raw stages.
 template <class T, int kFp8>
-void launch_fp8_variant(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
+void launch_fp8_variant(DecodeArgs& args, dim3 grid, cudaStream_t stream) {
   auto variant = decode_splitkv_kernel<T, 16, true, kStages, kFp8>;
   const int smem_bytes = smem_plan(16, args.entry_bytes, kStages, fp8_stages(kFp8)).total;
   KMLA_CUDA_CHECK(
@@ -2376,14 +2262,13 @@ void launch_fp8_variant(const DecodeArgs& args, dim3 grid, cudaStream_t stream) 
   if constexpr ((kFp8 & kFp8ThreeCtas) != 0)
     KMLA_CUDA_CHECK(cudaFuncSetAttribute(variant, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          int(cudaSharedmemCarveoutMaxShared)));
-  variant<<<grid, 128, smem_bytes, stream>>>(args);
-  KMLA_LAUNCH_CHECK();
+  launch_split_kernel(variant, grid, 128, smem_bytes, stream, args);
 }
 
 // fp8_ctas: DecodePlan::fp8_ctas_per_sm; pow2_scales: fp8_ds_mla's tile scales are powers
 // of two (both for the fp8 formats' 16-row 2-stage kernels only).
 template <class T, int ROWS, bool kConvert, int STAGES = kStages>
-void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream,
+void launch_splitkv(DecodeArgs& args, dim3 grid, int smem_bytes, cudaStream_t stream,
                     int fp8_ctas = 2, bool pow2_scales = false) {
   if constexpr (kConvert && std::is_same_v<T, bf16> && fp8_fragment_path(ROWS, 1, STAGES)) {
     switch (fp8_kernel_variant(args.format, fp8_ctas, pow2_scales)) {
@@ -2404,20 +2289,18 @@ void launch_splitkv(const DecodeArgs& args, dim3 grid, int smem_bytes, cudaStrea
   // that it holds on whichever device is current.
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<grid, ROWS / 16 * 128, smem_bytes, stream>>>(args);
-  KMLA_LAUNCH_CHECK();
+  launch_split_kernel(kernel, grid, ROWS / 16 * 128, smem_bytes, stream, args);
 }
 
 // The 16-row 16-bit-cache kernel's warp-own form (DecodePlan::row16_warp_own): the 2-stage
 // plan's shared memory and grid.
 template <class T>
-void launch_splitkv_warp_own(const DecodeArgs& args, dim3 grid, cudaStream_t stream) {
+void launch_splitkv_warp_own(DecodeArgs& args, dim3 grid, cudaStream_t stream) {
   auto kernel = decode_splitkv_kernel<T, 16, false, kStages, kFp8Generic, true>;
   const int smem_bytes = smem_plan(16, 0, kStages).total;
   KMLA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<grid, 128, smem_bytes, stream>>>(args);
-  KMLA_LAUNCH_CHECK();
+  launch_split_kernel(kernel, grid, 128, smem_bytes, stream, args);
 }
 
 // DecodePlan::row16_warp_own for a finished plan: on for plans over a 16-bit cache that are
@@ -2430,6 +2313,22 @@ bool choose_row16_warp_own(const DecodePlan& plan, CacheFormat format) {
   KMLA_CHECK(env == 0 || env == 1, "decode: KMLA_DECODE_WARP_OWN must be 0 or 1, got ", env);
   return env == 1 && !plan.portable &&
          (format == CacheFormat::bf16 || format == CacheFormat::fp16);
+}
+
+// Whether the rows of a batch of `pairs` (request, row tile) pairs collect more than 32
+// partials on average (a few long requests: 4 x 256K keys cut into ~66 pieces each):
+// per-request splits, or balanced workers over the pairs. Such rows take the combine's CTA-per-row
+// form (the warp form walks the LSEs three times and reads the partials one after another: measured
+// on H200 (2026-12-03), (4, 12, 256K) 311.4-313.2 against 320.8-322.5 us; lower thresholds
+// (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12, 32K) (~8 partials)
+// and cost fp8_ds_mla 10 % at 2), so such balanced plans keep the combine launch rather
+// than the fused merge, a warp per row (H200, 2026-12-05: (4, 12, 256K) 329.4 fused against
+// 297.2).
+bool many_partials(const DecodePlan& plan, int64_t pairs) {
+  const int64_t parts = plan.schedule == DecodeSchedule::balanced
+                            ? ceil_div(int64_t(plan.num_workers), std::max<int64_t>(pairs, 1))
+                            : plan.num_splits;
+  return parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
 }
 
 }  // namespace
@@ -2558,6 +2457,11 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
   const bool pdl_default = balanced ? plan.rows_per_cta == 64 : one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
+  // The fused combine (balanced plans): the split kernel, launched cooperatively, merges the
+  // rows of cut pairs itself after a grid-wide barrier, so no combine launch follows it and a
+  // batch that cuts no pair merges nothing. KMLA_DECODE_FUSED=0|1 overrides the default.
+  const int fused = env_int("KMLA_DECODE_FUSED", -1);
+  plan.fused_combine = balanced && (fused >= 0 ? fused != 0 : !many_partials(plan, ctas));
   plan.row16_warp_own = choose_row16_warp_own(plan, format);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;
@@ -2661,15 +2565,18 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.sched_min_keys = plan.sched_min_keys;
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
   a.pass_major = balanced && plan.pass_major;
+  a.fused_combine = balanced && plan.fused_combine && !plan.batch_invariant;
   return a;
 }
 
 // The split kernel of decode_attention(p, plan); returns its arguments with the workspace
 // pointers, which the combine (or the W_UV epilogue) then reads. Nothing runs for a batch
-// without requests (a.num_requests == 0).
+// without requests (a.num_requests == 0). `fused`: the plan's fused combine may run (not
+// where the W_UV epilogue merges the rows).
 DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* workspace,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, bool fused = true) {
   DecodeArgs a = decode_args(p, plan);
+  a.fused_combine = a.fused_combine && fused;
   const DeviceBatch& b = p.batch;
   if (b.num_requests == 0) return a;
   const bool balanced = a.balanced;
@@ -2754,8 +2661,7 @@ void launch_after_split(void (*kernel)(Params...), dim3 grid, int threads, int s
 // The combine of a split run whose pieces left partials (every plan but a per-request one of
 // one split): out / lse of every row with partials.
 void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStream_t stream) {
-  if (a.num_requests == 0 || a.direct_out) return;
-  const bool balanced = a.balanced;
+  if (a.num_requests == 0 || a.direct_out || a.fused_combine) return;
   dispatch_act(act, [&]<class T>() {
     // Column chunks per row and the form (see the two combine kernels): one warp per
     // (row, chunk) once the rows alone give ~2K warps (128 requests x 12 heads: 1,536
@@ -2768,15 +2674,8 @@ void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStr
     if (!plan.batch_invariant) {
       chunks = 1;
       while (chunks < 16 && items * chunks * 2 <= 2048) chunks *= 2;
-      // More than 32 partials per row on average (a few long requests: 4 x 256K keys cut
-      // into ~66 pieces each) take the CTA form too, with at least 4 chunks: the warp form
-      // walks the LSEs three times and reads the partials one after another. Measured on
-      // H200 (2026-12-03), (4, 12, 256K): 311.4-313.2 against 320.8-322.5 us. Lower
-      // thresholds (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12,
-      // 32K) (~8 partials) and cost fp8_ds_mla 10 % at 2.
-      const int64_t pairs = int64_t(a.num_requests) * a.row_tiles;
-      const int64_t parts = balanced ? ceil_div(int64_t(plan.num_workers), pairs) : plan.num_splits;
-      const bool many_parts = parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
+      // Many partials per row (many_partials) take the CTA form too, with at least 4 chunks.
+      const bool many_parts = many_partials(plan, int64_t(a.num_requests) * a.row_tiles);
       if (many_parts) chunks = std::max(chunks, 4);
       rows_form = chunks >= 4 && (items * chunks <= 512 || many_parts);
       // A/B switch for the many-partials form: its chunks per row (4, 8, 16 or 32).
@@ -2813,7 +2712,7 @@ void decode_attention_uv(const DecodeParams& p, const DecodePlan& plan, void* wo
              "decode_attention_uv: w_uv must be 16-byte and attn, g 4-byte aligned");
   KMLA_CHECK(decode_uv_fits(), "decode_attention_uv: the epilogue needs ", kUvSmemBytes,
              " B of shared memory per block, more than this GPU has (check decode_uv_fits())");
-  const DecodeArgs a = run_split(p, plan, workspace, stream);
+  const DecodeArgs a = run_split(p, plan, workspace, stream, false);
   if (uv.rows == 0) return;
   // Multicast: clusters of up to 8 token tiles (a power of two), the grid padded to whole
   // clusters (the extra CTAs fetch their share of W_UV and write nothing).

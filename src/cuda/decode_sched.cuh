@@ -23,6 +23,10 @@
 
 #include "cuda/decode_args.cuh"
 
+#ifdef __CUDACC__
+#include <cooperative_groups.h>
+#endif
+
 namespace kmla::cuda {
 
 inline constexpr int kMaxSplits = 1024;  // most per-request grid splits, most workers
@@ -68,6 +72,9 @@ struct DecodeWork {
   bool direct = false;     // the tile's only piece: write out / lse, no combine
   int64_t part = 0;        // ws_lse index of local row 0 (ws_o: the same times 512)
   int part_stride = 1;     // ws_lse index step from one local row to the next
+  // balanced: the pair's pieces run from worker w0 on, `pieces` of them; this is piece
+  // `piece` (for a direct piece 1 and 0).
+  int w0 = 0, pieces = 1, piece = 0;
 };
 
 // Keys visible to request-local row `row` (0 for rows past the request): causal rows are
@@ -295,6 +302,9 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
         w.direct = true;
         w.part = 0;
         w.part_stride = 0;
+        w.w0 = st.worker;
+        w.pieces = 1;
+        w.piece = 0;
         if (write_table) a.pair_table[pair] = make_int2(st.worker, 1);
         return true;
       }
@@ -314,6 +324,9 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       w.direct = n == 1;
       w.part = balanced_partial(w0, n, s, ROWS, 0);
       w.part_stride = 1;
+      w.w0 = w0;
+      w.pieces = n;
+      w.piece = s;
       if (s == 0 && write_table) a.pair_table[pair] = make_int2(w0, n);
       return true;
     }
@@ -458,8 +471,14 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
 // Runs `run(work)` for each piece of this CTA's work, with a barrier between pieces (the
 // pieces reuse the CTA's shared memory). Every thread of the CTA must call it. ROWS and
 // KEY_TILE are the calling kernel's row tile and key tile.
-template <int ROWS, int KEY_TILE, class Run>
-__device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& run) {
+// With a.fused_combine (balanced plans launched cooperatively, decode_combine.cuh) the pieces
+// of cut pairs are merged here instead of by a combine launch: after a grid-wide barrier,
+// `merge(piece)` runs for each of this worker's pieces of a cut pair (at most two: a piece
+// that starts before the worker's share and one that runs past its end, since every pair
+// inside the share is whole).
+template <int ROWS, int KEY_TILE, class Run, class Merge>
+__device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& run,
+                                                     Merge&& merge) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Let the combine (launched as a programmatic dependent) get on the GPU now: it waits
   // for this grid's completion before it reads anything (griddepcontrol.wait).
@@ -473,9 +492,12 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
   __shared__ int64_t walk_s[sizeof(WalkState) / sizeof(int64_t)];
   __shared__ int64_t work_s[sizeof(DecodeWork) / sizeof(int64_t)];
   const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
+  __shared__ int64_t cut_s[2][sizeof(DecodeWork) / sizeof(int64_t)];  // fused_combine
+  __shared__ int cuts_s;
   const int tid = int(threadIdx.x);
-  if (a.balanced && !balanced_prologue<ROWS, KEY_TILE>(a, walk_s)) return;
-  for (;;) {
+  if (tid == 0) cuts_s = 0;  // (read after the barriers below)
+  const bool live = !a.balanced || balanced_prologue<ROWS, KEY_TILE>(a, walk_s);
+  while (live) {
     DecodeWork w;
     bool more;
     if (!a.balanced) {
@@ -487,12 +509,20 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
       if (more) __syncthreads();  // everyone has read the state (uniform)
       if (more && tid == 0) memcpy(walk_s, &st, sizeof(st));
     }
-    if (!more) return;
-    if (tid == 0) memcpy(work_s, &w, sizeof(w));
+    if (!more) break;
+    if (tid == 0) {
+      memcpy(work_s, &w, sizeof(w));
+      if (a.fused_combine && !w.direct && cuts_s < 2) memcpy(cut_s[cuts_s++], &w, sizeof(w));
+    }
     __syncthreads();
     run(work);
-    if (!a.balanced) return;  // one piece per CTA
+    if (!a.balanced) break;  // one piece per CTA
     __syncthreads();  // the next piece reuses shared memory; the state is read after this
+  }
+  if (a.fused_combine) {
+    // Every worker's partials (and the grid's ws writes) are visible after the barrier.
+    cooperative_groups::this_grid().sync();
+    for (int i = 0; i < cuts_s; ++i) merge(*reinterpret_cast<const DecodeWork*>(cut_s[i]));
   }
 }
 #endif

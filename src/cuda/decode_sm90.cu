@@ -13,6 +13,9 @@
 //
 // Only the sm_90a compile of this file holds the kernel; the sm_80 compile of the same source
 // gets a body that traps (the host never launches it anywhere but on sm_90 with sm_90a code).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -20,9 +23,7 @@
 #include <cstring>
 #include <limits>
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
+#include "cuda/decode_combine.cuh"
 #include "cuda/decode_sched.cuh"
 #include "cuda/decode_sm90.cuh"
 #include "cuda/sm90.cuh"
@@ -619,7 +620,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
   for_each_decode_work<kRows, kKeys>(
-      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); });
+      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); },
+      [&](const DecodeWork& w) { merge_cut_piece<T>(a, w); });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------
@@ -788,7 +790,7 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   return sm90_kernel_runs_on(device);
 }
 
-void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
+void launch_decode_sm90(DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
   dispatch_act(act, [&]<class T>() {
     const DecodeSm90Options& o = current_options();
     CUtensorMap kmap{};
@@ -798,9 +800,9 @@ void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t 
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    kernel<<<grid, kThreads, kSmemAlloc, stream>>>(
-        a, KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
-    KMLA_LAUNCH_CHECK();
+    launch_split_kernel(
+        kernel, grid, kThreads, kSmemAlloc, stream, a,
+        KernelFlags{o.skip_rescale, profile_mode(), group, o.issue_wg1, o.early_issue}, kmap);
   });
 }
 

@@ -54,10 +54,12 @@ void decode_sm90_set_options(const DecodeSm90Options& o);
 // the driver cannot encode; all compute the same). For tests and diagnostics.
 int decode_sm90_tma_keys(const DecodeParams& p);
 
-// Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles:
-// (ceil(max_rows / 64), num_splits, num_requests). Writes out / lse directly when
-// a.direct_out, else the fp32 partials and LSEs of a.ws_o / a.ws_lse for the combine.
-void launch_decode_sm90(const DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream);
+// Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles
+// (per-request (ceil(max_rows / 64), num_splits, num_requests), balanced (num_workers)).
+// Writes out / lse directly when a.direct_out, else the fp32 partials and LSEs of a.ws_o /
+// a.ws_lse for the combine; with a.fused_combine it merges cut pairs itself, or clears the
+// flag where the grid cannot run cooperatively (launch_split_kernel).
+void launch_decode_sm90(DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream);
 
 // Test hook for the kernel's building blocks (one CTA, no pipeline): q and k are [64, 576]
 // in `act` (dense rows), p [64, 64] fp32. Writes s_out [64, 64] = q k^T (fp32, the kernel's

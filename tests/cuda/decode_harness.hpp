@@ -85,6 +85,8 @@ struct PlanTweak {
   bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
   int fp8_ctas = 0;  // > 0: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row kernels)
   bool request_order = false;  // DecodePlan::pass_major off (the default walk is in pass order)
+  int fused =
+      -1;  // 0 / 1: DecodePlan::fused_combine (balanced plans merge cut pairs in the split kernel)
 };
 
 // Whether this GPU fits the deep pipeline's ~210 KB CTA (Hopper: 227 KB per block).
@@ -312,6 +314,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     if (tweak.pdl) plan.programmatic_combine = true;
     if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
     if (tweak.request_order) plan.pass_major = false;
+    if (tweak.fused >= 0) plan.fused_combine = tweak.fused != 0;
     if (tweak.deep) {
       if (!gpu_fits_deep_pipeline()) continue;
       plan.deep_pipeline = true;
@@ -327,7 +330,8 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
                  << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
                  << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
                  << ", fp8 CTAs/SM " << plan.fp8_ctas_per_sm
-                 << (plan.pass_major ? "" : ", request order"));
+                 << (plan.pass_major ? "" : ", request order")
+                 << (plan.fused_combine ? ", fused combine" : ""));
     DevBuf<uint8_t> d_ws(plan.workspace_bytes);
     d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
     d_out.fill_bytes(0xFF);

@@ -261,6 +261,18 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
       EXPECT_EQ(rows64.programmatic_combine, major >= 9);
       EXPECT_FALSE(rows16.programmatic_combine);
     }
+    // Balanced plans merge their cut pairs in the split kernel; per-request ones launch the
+    // combine.
+    if (!std::getenv("KMLA_DECODE_FUSED")) {
+      EXPECT_TRUE(rows64.fused_combine);
+      EXPECT_TRUE(rows16.fused_combine);
+      EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false).fused_combine);
+      // A few long requests (~66 pieces a row): the combine kernel's CTA-per-row form.
+      const DecodePlan few_long = plan_decode(4, 12, 1, 262144, false);
+      EXPECT_EQ(few_long.schedule, DecodeSchedule::balanced);
+      EXPECT_FALSE(few_long.fused_combine);
+      EXPECT_FALSE(plan_decode(2, 16, 1, 8192, false, true).fused_combine);  // invariant
+    }
   }
 }
 
@@ -270,16 +282,40 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
 // tweaks force few and many workers, cutting every pair (nosplit 0, no start-up charge,
 // tiny shares), 16-row tiles so a request has several pairs, and the per-request grid.
 const std::vector<PlanTweak> kSchedTweaks = {
-    {0, 0},                          // the plan's choice
-    {0, 0, false, 1},                // one worker runs every piece in turn
-    {0, 0, false, 3},                // few workers: long shares, many whole pairs each
-    {0, 0, false, 7, 0, 0, 0},       // everything cut, no charge
-    {0, 0, false, 1000, 0, 0, 0},    // more workers than tiles: 1-tile shares
-    {0, 0, false, 264, 32, 0, 64},   // every pair cut, 1-tile minimum share
-    {0, 16, false, 100, 0, 0, 0},    // 16-row tiles: several pairs per request
-    {2, 0},                          // the per-request grid, for comparison
+    {0, 0},                              // the plan's choice
+    {0, 0, false, 1},                    // one worker runs every piece in turn
+    {0, 0, false, 3},                    // few workers: long shares, many whole pairs each
+    {0, 0, false, 7, 0, 0, 0},           // everything cut, no charge
+    {0, 0, false, 1000, 0, 0, 0},        // more workers than tiles: 1-tile shares
+    {0, 0, false, 264, 32, 0, 64},       // every pair cut, 1-tile minimum share
+    {0, 16, false, 100, 0, 0, 0},        // 16-row tiles: several pairs per request
+    {2, 0},                              // the per-request grid, for comparison
     {0, 0, false, 0, -1, -1, -1, true},  // the plan's choice, combine launched early (PDL)
     {5, 0, false, 0, -1, -1, -1, true},  // per-request splits with PDL
+    // The fused combine (cut pairs merged in the split kernel after a grid barrier): every
+    // pair cut into a few or into many pieces, with 16 and 64-row tiles, and 300 64-row
+    // workers, more than can be resident at once (the combine kernel runs instead).
+    {.workers = 7, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
+    {.workers = 264, .min_keys = 32, .nosplit_keys = 0, .pair_keys = 64, .fused = 1},
+    {.rows_per_cta = 16,
+     .workers = 100,
+     .min_keys = 0,
+     .nosplit_keys = 0,
+     .pair_keys = 0,
+     .fused = 1},
+    {.rows_per_cta = 64,
+     .workers = 100,
+     .min_keys = 0,
+     .nosplit_keys = 0,
+     .pair_keys = 0,
+     .fused = 1},
+    {.rows_per_cta = 64,
+     .workers = 300,
+     .min_keys = 0,
+     .nosplit_keys = 0,
+     .pair_keys = 0,
+     .fused = 1},
+    {.fused = 0},
 };
 
 // Lengths 0, 1 and around block (64) and tile (32) boundaries, padded slots between real
@@ -1468,7 +1504,14 @@ TEST(CudaDecodeCombine, OneLongRequestManySplits) {
   c.seq_lens = {65535, 0, 700};
   c.query_lens = {1, 0, 2};
   c.seed = 66;
-  run_case(c, {{0, 0}, {0, 0, false, 264}, {0, 0, false, 1000, 0, 0, 0}, {247, 0}});
+  // Balanced plans with the combine kernel (fused off) and merging in the split kernel: one
+  // long request cut over 264 workers, a warp merging rows of ~200 partials.
+  run_case(c, {{0, 0},
+               {0, 0, false, 264},
+               {.workers = 264, .fused = 0},
+               {0, 0, false, 1000, 0, 0, 0},
+               {.workers = 1000, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 0},
+               {247, 0}});
 }
 
 // A CUDA graph of decode_attention (the split kernel and the combine) replayed first with
@@ -1512,7 +1555,21 @@ TEST(CudaDecodeCombine, GraphReplayOtherLengths) {
   CaseHooks hooks;
   hooks.label = "graph";
   hooks.run = run_in_graph;
-  run_case(c, {{0, 0}, {0, 0, false, 50}, {4, 0}, {300, 0}}, hooks);
+  // The last two: the fused combine (a cooperative kernel node), 16 and 64-row tiles with
+  // every pair cut.
+  run_case(c,
+           {{0, 0},
+            {0, 0, false, 50},
+            {4, 0},
+            {300, 0},
+            {.workers = 50, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
+            {.rows_per_cta = 64,
+             .workers = 40,
+             .min_keys = 0,
+             .nosplit_keys = 0,
+             .pair_keys = 0,
+             .fused = 1}},
+           hooks);
   c.seq_lens = {30000};  // one request: the many-partials form
   c.query_lens = {1};
   c.seed = 68;

@@ -1,0 +1,228 @@
+// The combine's arithmetic for one row of partials: out / lse of the row from its pieces'
+// normalised outputs and LSEs. Shared by the combine kernel (decode_attention.cu) and by the
+// balanced split kernels that merge their cut pairs themselves (DecodeArgs::fused_combine:
+// after a grid-wide barrier each worker merges its share of the rows of the cut pairs it ran
+// a piece of, so a batch that cuts nothing needs no second launch), and the cooperative
+// launch that the fused form needs.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/decode_args.cuh"
+#include "cuda/decode_sched.cuh"
+#include "kmla/config.hpp"
+
+namespace kmla::cuda {
+
+inline constexpr float kCombineNegInf = -__builtin_huge_valf();
+
+#ifdef __CUDACC__
+// Where the partials of (request r, row `row`) are, for both forms: S of them, partial s's
+// LSE at a.ws_lse[part(s)] and its output at a.ws_o + part(s) * 512. On a balanced plan
+// S <= 1 means the tile's only piece wrote out / lse itself (nothing to merge); a
+// batch-invariant grid's later splits are empty (LSE -inf, weight exactly 0) and not visited.
+struct RowPartials {
+  int64_t item;  // (request, row) pair
+  int row, S, w0;
+  __device__ int64_t part(const DecodeArgs& a, int s) const {
+    return a.balanced ? balanced_partial(w0, S, s, a.rows_per_cta, row % a.rows_per_cta)
+                      : item * a.num_splits + s;
+  }
+};
+
+// Waits for the split grid first (a no-op unless launched as its programmatic dependent): the
+// pair table and the partials are its output.
+__device__ __forceinline__ RowPartials row_partials(const DecodeArgs& a, int64_t item, int r,
+                                                    int row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  RowPartials p{item, row, a.num_splits, 0};
+  if (a.balanced) {
+    const int2 pieces = a.pair_table[int64_t(r) * a.row_tiles + row / a.rows_per_cta];
+    p.w0 = pieces.x;
+    p.S = pieces.y;
+  } else if (a.batch_invariant) {
+    p.S = invariant_splits(a.seq_lens[r], a.num_splits);
+  }
+  return p;
+}
+
+// Chunk `chunk` of `chunks` (128 / chunks float4 columns each) of K rows of request r,
+// rp[0..K) with the same number of partials S: the warp's part of the combine (lane = this
+// thread's lane). A row whose partials are all empty gets zeros and LSE -inf. The K rows'
+// loads go out together (the fused combine merges two rows at a time: one round trip for
+// both instead of one each); a row's arithmetic does not depend on K.
+template <class T, int K>
+__device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowPartials (&rp)[K], int r,
+                                             int chunk, int chunks, int lane) {
+  const int S = rp[0].S;
+  auto lse_at = [&](int k, int s) { return a.ws_lse[rp[k].part(a, s)]; };
+  auto o_at = [&](int k, int s) { return a.ws_o + rp[k].part(a, s) * kKvLoraRank; };
+
+  // Lane s keeps partial s's LSE (and below its weight) in a register: with S <= 32 (all
+  // but one long request) the O loop takes the weight by a shuffle and the LSEs cost one
+  // round trip instead of three. The arithmetic is the general loop's, value for value.
+  float my_lse[K], big[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    my_lse[k] = lane < S ? lse_at(k, lane) : kCombineNegInf;
+    big[k] = my_lse[k];
+    for (int s = lane + 32; s < S; s += 32) big[k] = fmaxf(big[k], lse_at(k, s));
+    for (int o = 16; o > 0; o >>= 1)
+      big[k] = fmaxf(big[k], __shfl_xor_sync(0xffffffffu, big[k], o));
+  }
+
+  const int chunk_f4 = (kKvLoraRank / 4) / chunks;  // float4 columns in the chunk
+  const int col_lanes = chunk_f4 < 32 ? chunk_f4 : 32;
+  const int groups = 32 / col_lanes, per_lane = chunk_f4 / col_lanes;  // per_lane <= 4
+  const int group = lane / col_lanes;
+  const int col0 = (chunk * chunk_f4 + lane % col_lanes) * 4;  // + 4 col_lanes j
+  const int64_t start = int64_t(a.query_start[r]) * a.heads;
+  T* out[K];
+  float my_w[K], total[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    out[k] = static_cast<T*>(a.out) + (start + rp[k].row) * kKvLoraRank + col0;
+    if (big[k] == kCombineNegInf) {  // no split saw a key: zeros and -inf (uniform)
+      if (group == 0)
+        for (int j = 0; j < per_lane; ++j)
+          *reinterpret_cast<uint2*>(out[k] + 4 * col_lanes * j) = make_uint2(0, 0);
+      if (chunk == 0 && lane == 0) a.lse[start + rp[k].row] = kCombineNegInf;
+    }
+    my_w[k] = my_lse[k] == kCombineNegInf ? 0.0f : expf(my_lse[k] - big[k]);
+    total[k] = 0.0f;
+    total[k] += my_w[k];
+    for (int s = lane + 32; s < S; s += 32) {
+      const float l = lse_at(k, s);
+      total[k] += l == kCombineNegInf ? 0.0f : expf(l - big[k]);
+    }
+    for (int o = 16; o > 0; o >>= 1) total[k] += __shfl_xor_sync(0xffffffffu, total[k], o);
+  }
+
+  float4 sum[K][4];
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sum[k][j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // Adds w_s O_s. A weight of 0 adds nothing: an empty partial (LSE -inf, its slot may
+  // hold NaN) is never read, and one whose weight underflowed would add exact zeros (an
+  // empty row's weights are all 0).
+  auto add = [&](int k, int s, float w) {
+    const float* o = o_at(k, s) + col0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < per_lane) {
+        const float4 v = *reinterpret_cast<const float4*>(o + 4 * col_lanes * j);
+        sum[k][j].x += w * v.x;
+        sum[k][j].y += w * v.y;
+        sum[k][j].z += w * v.z;
+        sum[k][j].w += w * v.w;
+      }
+    }
+  };
+  if (S <= 32) {
+#pragma unroll 4
+    for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
+      const int s = s0 + group;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const float w = __shfl_sync(0xffffffffu, my_w[k], s & 31);
+        if (s < S && w != 0.0f) add(k, s, w);
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int s = group; s < S; s += groups) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const float l = lse_at(k, s);
+        const float w = l == kCombineNegInf ? 0.0f : expf(l - big[k]);
+        if (w != 0.0f) add(k, s, w);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (big[k] == kCombineNegInf) continue;     // written above
+    for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        sum[k][j].x += __shfl_xor_sync(0xffffffffu, sum[k][j].x, o);
+        sum[k][j].y += __shfl_xor_sync(0xffffffffu, sum[k][j].y, o);
+        sum[k][j].z += __shfl_xor_sync(0xffffffffu, sum[k][j].z, o);
+        sum[k][j].w += __shfl_xor_sync(0xffffffffu, sum[k][j].w, o);
+      }
+    }
+    const float inv = 1.0f / total[k];
+    if (group == 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (j < per_lane)
+          *reinterpret_cast<uint2*>(out[k] + 4 * col_lanes * j) =
+              make_uint2(pack2<T>(sum[k][j].x * inv, sum[k][j].y * inv),
+                         pack2<T>(sum[k][j].z * inv, sum[k][j].w * inv));
+    }
+    if (chunk == 0 && lane == 0) a.lse[start + rp[k].row] = big[k] + logf(total[k]);
+  }
+}
+
+// The fused combine's share of worker `piece.piece` of a pair cut into piece.pieces pieces
+// (from worker piece.w0 on): rows [s R / n, (s + 1) R / n) of the pair's R rows, whole rows
+// (one chunk), each warp two rows at a time. The arithmetic per row is the combine kernel's.
+template <class T>
+__device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const DecodeWork& piece) {
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int warps = int(blockDim.x) >> 5;
+  const int rows = min(a.rows_per_cta, piece.nrows - piece.row0);
+  const int n = piece.pieces, s = piece.piece;
+  const int lo = s * rows / n, hi = (s + 1) * rows / n;
+  auto partials = [&](int local) {
+    const int row = piece.row0 + local;
+    return RowPartials{int64_t(piece.r) * a.max_rows + row, row, n, piece.w0};
+  };
+  // Two rows at a time (H200, 2026-12-05: four at a time made the split kernels slower, e.g.
+  // (16, 128, 4k) 79 against 67 us, mixed lengths 311 against 298).
+  for (int local = lo + warp; local < hi; local += 2 * warps) {
+    if (local + warps < hi) {
+      const RowPartials rp[2] = {partials(local), partials(local + warps)};
+      combine_rows<T, 2>(a, rp, piece.r, 0, 1, lane);
+    } else {
+      const RowPartials rp[1] = {partials(local)};
+      combine_rows<T, 1>(a, rp, piece.r, 0, 1, lane);
+    }
+  }
+}
+
+// Launches a split kernel over `grid`, its first argument `a`; cooperatively when
+// a.fused_combine, which the kernel's grid-wide barrier needs (every CTA resident at once).
+// Where the grid would not fit at once (another GPU, a plan's worker count forced above
+// the slots) a.fused_combine is cleared instead and the caller runs the combine kernel.
+template <class... Params, class... Rest>
+void launch_split_kernel(void (*kernel)(Params...), dim3 grid, int threads, int smem,
+                         cudaStream_t stream, DecodeArgs& a, const Rest&... rest) {
+  if (a.fused_combine) {
+    int device = 0, sms = 0, coop = 0, per_sm = 0;
+    KMLA_CUDA_CHECK(cudaGetDevice(&device));
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    KMLA_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, size_t(smem)));
+    a.fused_combine = coop != 0 && int64_t(per_sm) * sms >= int64_t(grid.x) * grid.y * grid.z;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = a.fused_combine ? 1 : 0;
+  KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, rest...));
+}
+#endif
+
+}  // namespace kmla::cuda
