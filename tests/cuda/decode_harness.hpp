@@ -82,7 +82,7 @@ struct PlanTweak {
   int min_keys = -1;  // balanced: DecodePlan::sched_min_keys
   int nosplit_keys = -1;
   int pair_keys = -1;
-  bool pdl = false;  // launch the combine as a programmatic dependent (sm_90; off by default)
+  bool pdl = false;  // launch the combine as a programmatic dependent (sm_90)
   int fp8_ctas = 0;  // > 0: DecodePlan::fp8_ctas_per_sm (the fp8 formats' 16-row kernels)
   bool request_order = false;  // DecodePlan::pass_major off (the default walk is in pass order)
   int fused =

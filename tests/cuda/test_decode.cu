@@ -290,31 +290,15 @@ const std::vector<PlanTweak> kSchedTweaks = {
     {0, 0, false, 264, 32, 0, 64},       // every pair cut, 1-tile minimum share
     {0, 16, false, 100, 0, 0, 0},        // 16-row tiles: several pairs per request
     {2, 0},                              // the per-request grid, for comparison
-    {0, 0, false, 0, -1, -1, -1, true},  // the plan's choice, combine launched early (PDL)
+    {.pdl = true, .fused = 0},           // the combine kernel launched early (PDL)
     {5, 0, false, 0, -1, -1, -1, true},  // per-request splits with PDL
-    // The fused combine (cut pairs merged in the split kernel after a grid barrier): every
-    // pair cut into a few or into many pieces, with 16 and 64-row tiles, and 300 64-row
-    // workers, more than can be resident at once (the combine kernel runs instead).
-    {.workers = 7, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
-    {.workers = 264, .min_keys = 32, .nosplit_keys = 0, .pair_keys = 64, .fused = 1},
-    {.rows_per_cta = 16,
-     .workers = 100,
-     .min_keys = 0,
-     .nosplit_keys = 0,
-     .pair_keys = 0,
-     .fused = 1},
-    {.rows_per_cta = 64,
-     .workers = 100,
-     .min_keys = 0,
-     .nosplit_keys = 0,
-     .pair_keys = 0,
-     .fused = 1},
-    {.rows_per_cta = 64,
-     .workers = 300,
-     .min_keys = 0,
-     .nosplit_keys = 0,
-     .pair_keys = 0,
-     .fused = 1},
+    // Balanced plans merge their cut pairs in the split kernel by default (the fused
+    // combine); these add 64-row tiles with every pair cut, more 64-row workers than fit at
+    // once (the launch falls back to the combine kernel), the fused merge forced on rows of
+    // well over 32 partials (a warp walks them), and the combine kernel for the plan's choice.
+    {0, 64, false, 100, 0, 0, 0},
+    {0, 64, false, 300, 0, 0, 0},
+    {.workers = 264, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
     {.fused = 0},
 };
 
@@ -1555,20 +1539,15 @@ TEST(CudaDecodeCombine, GraphReplayOtherLengths) {
   CaseHooks hooks;
   hooks.label = "graph";
   hooks.run = run_in_graph;
-  // The last two: the fused combine (a cooperative kernel node), 16 and 64-row tiles with
-  // every pair cut.
+  // Balanced plans in a graph: the fused combine (a cooperative kernel node), also on 64-row
+  // tiles with every pair cut, and the combine kernel after the split kernel.
   run_case(c,
            {{0, 0},
             {0, 0, false, 50},
             {4, 0},
             {300, 0},
-            {.workers = 50, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
-            {.rows_per_cta = 64,
-             .workers = 40,
-             .min_keys = 0,
-             .nosplit_keys = 0,
-             .pair_keys = 0,
-             .fused = 1}},
+            {0, 64, false, 40, 0, 0, 0},
+            {.workers = 50, .fused = 0}},
            hooks);
   c.seq_lens = {30000};  // one request: the many-partials form
   c.query_lens = {1};
