@@ -485,6 +485,7 @@ void check_host_schedule(const HostSchedCase& c) {
     int worker, key0, key1;
     bool direct;
     int64_t part;
+    int w0, pieces, piece;  // what the fused combine merges (merge_cut_piece)
   };
   std::vector<std::vector<Piece>> pieces(table.size());
   std::vector<int> slot_uses(size_t(2) * workers, 0);
@@ -493,16 +494,19 @@ void check_host_schedule(const HostSchedCase& c) {
     const int64_t lo = share_begin(w, total, workers), hi = share_begin(w + 1, total, workers);
     ASSERT_LT(lo, hi) << "worker " << w << " has an empty share";
     int64_t tiles_done = 0;
+    int cut = 0;  // pieces of cut pairs: the fused combine keeps room for two per worker
     walk_worker<ROWS, KEY_TILE>(a, u, w, workers, total, off, true, [&](const DecodeWork& p) {
-                                    const size_t pair = size_t(p.r) * a.row_tiles + p.row0 / ROWS;
-                                    pieces[pair].push_back({w, p.key0, p.key1, p.direct, p.part});
-                                    tiles_done += (p.key1 - p.key0 + KEY_TILE - 1) / KEY_TILE;
-                                    if (!p.direct) {
-                                      ASSERT_EQ(p.part % ROWS, 0);
-                                      ASSERT_EQ(p.part_stride, 1);
-                                      ++slot_uses[size_t(p.part / ROWS)];
-                                    }
-                                  });
+      const size_t pair = size_t(p.r) * a.row_tiles + p.row0 / ROWS;
+      pieces[pair].push_back({w, p.key0, p.key1, p.direct, p.part, p.w0, p.pieces, p.piece});
+      tiles_done += (p.key1 - p.key0 + KEY_TILE - 1) / KEY_TILE;
+      if (!p.direct) {
+        ASSERT_EQ(p.part % ROWS, 0);
+        ASSERT_EQ(p.part_stride, 1);
+        ++slot_uses[size_t(p.part / ROWS)];
+        ++cut;
+      }
+    });
+    EXPECT_LE(cut, 2) << "worker " << w << " ran more than two pieces of cut pairs";
     // Cut-free pairs: at most nosplit tiles, or an eighth of a share.
     max_cut_free = std::max<int64_t>(u.nosplit + u.pair, (total / workers) / 8);
     EXPECT_LE(tiles_done, hi - lo + 2 * max_cut_free + 1) << "worker " << w << " overloaded";
@@ -534,10 +538,14 @@ void check_host_schedule(const HostSchedCase& c) {
         }
         EXPECT_EQ(ps[s].direct, ps.size() == 1);
         if (ps.size() > 1) {
-          // Where the piece writes its rows is where the combine reads them.
+          // Where the piece writes its rows is where the combine reads them, and the pieces
+          // know their pair's pieces as the table does (the fused merge reads no table).
           EXPECT_EQ(ps[s].worker, info.x + int(s));
           for (int row = 0; row < ROWS; ++row)
             EXPECT_EQ(ps[s].part + row, balanced_partial(info.x, info.y, int(s), ROWS, row));
+          EXPECT_EQ(ps[s].w0, info.x);
+          EXPECT_EQ(ps[s].pieces, info.y);
+          EXPECT_EQ(ps[s].piece, int(s));
         }
       }
       EXPECT_EQ(next, kmax) << "keys not covered to the end";
