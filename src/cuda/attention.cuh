@@ -116,7 +116,7 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // `max_query_len` query rows and `max_seq_len` keys, on the current device. Environment
 // overrides, for A/B runs of `kmla bench`: KMLA_DECODE_SCHEDULE=per_request|balanced,
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
-// KMLA_DECODE_PASS_ORDER=0|1,
+// KMLA_DECODE_PASS_ORDER=0|1, KMLA_DECODE_FUSED=0|1 (DecodePlan::fused_combine),
 // KMLA_DECODE_PDL=0|1, KMLA_FP8_CTAS=2|3 (never for batch-invariant plans), and
 // KMLA_DECODE_WARP_OWN=0|1 (all plans: the 16-row 16-bit kernel's form,
 // DecodePlan::row16_warp_own). `format` is the cache format the plan will run on;
