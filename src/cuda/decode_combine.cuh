@@ -198,7 +198,8 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
 // Launches a split kernel over `grid`, its first argument `a`; cooperatively when
 // a.fused_combine, which the kernel's grid-wide barrier needs (every CTA resident at once).
 // Where the grid would not fit at once (another GPU, a plan's worker count forced above
-// the slots) a.fused_combine is cleared instead and the caller runs the combine kernel.
+// the slots, or a launch the driver still refuses as too large: a GPU shared under MPS, say)
+// a.fused_combine is cleared instead and the caller runs the combine kernel.
 template <class... Params, class... Rest>
 void launch_split_kernel(void (*kernel)(Params...), dim3 grid, int threads, int smem,
                          cudaStream_t stream, DecodeArgs& a, const Rest&... rest) {
@@ -221,7 +222,14 @@ void launch_split_kernel(void (*kernel)(Params...), dim3 grid, int threads, int 
   attr.val.cooperative = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = a.fused_combine ? 1 : 0;
-  KMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, rest...));
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a, rest...);
+  if (e == cudaErrorCooperativeLaunchTooLarge && a.fused_combine) {
+    (void)cudaGetLastError();  // not sticky: launch plainly instead
+    a.fused_combine = false;
+    cfg.numAttrs = 0;
+    e = cudaLaunchKernelEx(&cfg, kernel, a, rest...);
+  }
+  KMLA_CUDA_CHECK(e);
 }
 #endif
 
