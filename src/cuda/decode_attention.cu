@@ -56,7 +56,6 @@ constexpr int kSPartStride = kKeyTile + 8;
 constexpr int kDepthSteps = kLatentDim / 16 / 4;  // k-steps of S per warp (depth split): 9
 constexpr int kMinKeysPerSplit = 256;       // below this a split is mostly overhead
 constexpr int kDsMlaEntryBytes = 656;       // 512 e4m3 | 4 fp32 scales | 64 bf16 rope
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 

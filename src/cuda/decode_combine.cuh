@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_args.cuh"
@@ -15,7 +16,8 @@
 
 namespace kmla::cuda {
 
-inline constexpr float kCombineNegInf = -__builtin_huge_valf();
+// -inf: the LSE of a piece (or row) that saw no key. Shared by every decode kernel.
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef __CUDACC__
 // Where the partials of (request r, row `row`) are, for both forms: S of them, partial s's
@@ -67,7 +69,7 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
   float my_lse[K], big[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    my_lse[k] = lane < S ? lse_at(k, lane) : kCombineNegInf;
+    my_lse[k] = lane < S ? lse_at(k, lane) : kNegInf;
     big[k] = my_lse[k];
     for (int s = lane + 32; s < S; s += 32) big[k] = fmaxf(big[k], lse_at(k, s));
     for (int o = 16; o > 0; o >>= 1)
@@ -85,18 +87,18 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     out[k] = static_cast<T*>(a.out) + (start + rp[k].row) * kKvLoraRank + col0;
-    if (big[k] == kCombineNegInf) {  // no split saw a key: zeros and -inf (uniform)
+    if (big[k] == kNegInf) {  // no split saw a key: zeros and -inf (uniform)
       if (group == 0)
         for (int j = 0; j < per_lane; ++j)
           *reinterpret_cast<uint2*>(out[k] + 4 * col_lanes * j) = make_uint2(0, 0);
-      if (chunk == 0 && lane == 0) a.lse[start + rp[k].row] = kCombineNegInf;
+      if (chunk == 0 && lane == 0) a.lse[start + rp[k].row] = kNegInf;
     }
-    my_w[k] = my_lse[k] == kCombineNegInf ? 0.0f : expf(my_lse[k] - big[k]);
+    my_w[k] = my_lse[k] == kNegInf ? 0.0f : expf(my_lse[k] - big[k]);
     total[k] = 0.0f;
     total[k] += my_w[k];
     for (int s = lane + 32; s < S; s += 32) {
       const float l = lse_at(k, s);
-      total[k] += l == kCombineNegInf ? 0.0f : expf(l - big[k]);
+      total[k] += l == kNegInf ? 0.0f : expf(l - big[k]);
     }
     for (int o = 16; o > 0; o >>= 1) total[k] += __shfl_xor_sync(0xffffffffu, total[k], o);
   }
@@ -138,14 +140,14 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const float l = lse_at(k, s);
-        const float w = l == kCombineNegInf ? 0.0f : expf(l - big[k]);
+        const float w = l == kNegInf ? 0.0f : expf(l - big[k]);
         if (w != 0.0f) add(k, s, w);
       }
     }
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (big[k] == kCombineNegInf) continue;     // written above
+    if (big[k] == kNegInf) continue;            // written above
     for (int o = col_lanes; o < 32; o <<= 1) {  // the warp's split groups, lane by lane
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

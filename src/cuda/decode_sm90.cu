@@ -44,7 +44,6 @@ constexpr int kPanelBytes = 64 * kPanelRowBytes;        // 8192: 64 rows (or key
 constexpr int kTileBytes = kPanels * kPanelBytes;       // 73,728: Q, or one K tile
 [[maybe_unused]] constexpr int kHalfKeys = kKeys / 2;                    // S columns per warpgroup
 [[maybe_unused]] constexpr int kHalfCols = kKvLoraRank / 2;              // O columns per warpgroup
-[[maybe_unused]] constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 [[maybe_unused]] constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kRows == 64 && kKeys == 64 && kLatentDim == 576 && kKvLoraRank == 512,
               "the tile shapes below are written for 64 rows x 64 keys of MLA's 576 / 512");
