@@ -197,11 +197,19 @@ __host__ __device__ inline int64_t pair_units(const DecodeArgs& a, int rows, int
   return tiles < 0 ? 0 : tiles + u.pair;
 }
 
-// Workers that get a share of `total` units: the grid's, fewer when the shares would drop
-// below u.min_worker. Every share is then non-empty.
-__host__ __device__ inline int balanced_workers(int64_t total, int grid, int min_worker) {
-  const int64_t by_size = (total + min_worker - 1) / min_worker;
-  const int64_t w = by_size < grid ? by_size : grid;
+// Workers that get a share of `total` units over `pairs` live (request, row tile) pairs: the
+// grid's, fewer when the shares would drop below u.min_worker, but never fewer than the pairs
+// (while the grid has them). A batch of short requests (128 x 64 keys: 2 tiles and a start-up
+// charge each, 384 units) would otherwise get 48 workers of ~2.7 whole pairs each, run one
+// after another, where a piece costs mostly its start (Q, block table and first keys, each a
+// round trip to memory): on H200 30.9 us against 11.5 for the per-request grid's 128 CTAs of
+// one pair. Every share is non-empty: a live pair costs at least one unit (the charge), so
+// total >= pairs.
+__host__ __device__ inline int balanced_workers(int64_t total, int64_t pairs, int grid,
+                                                int min_worker) {
+  int64_t w = (total + min_worker - 1) / min_worker;
+  if (w < pairs) w = pairs;
+  if (w > grid) w = grid;
   return int(w > 1 ? w : 1);
 }
 // Worker w's share is [w * total / W, (w + 1) * total / W); the worker holding unit x is the
@@ -379,11 +387,12 @@ __device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
   return make_int2(lo, hi);
 }
 
-// The balanced schedule's prologue: every thread sums the units of a contiguous run of
-// requests, a block-wide scan turns those into offsets, and the thread whose run holds this
-// worker's first unit finds the request there; thread 0 stores the worker's WalkState in
-// walk_s. False when the worker has nothing to do. Cost per CTA: ceil(R / threads) length
-// loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and three barriers; with pass
+// The balanced schedule's prologue: every thread sums the units (and counts the live pairs)
+// of a contiguous run of requests, a block-wide scan turns those into offsets (a second one
+// totals the pairs, for the worker count), and the thread whose run holds this worker's first
+// unit finds the request there; thread 0 stores the worker's WalkState in walk_s. False when
+// the worker has nothing to do. Cost per CTA: ceil(R / threads) length loads per thread
+// (R <= kDecodeBalancedMaxRequests, from L2) and five barriers; with pass
 // order asked for and several row tiles, a min / max of the requests' row tile counts (two
 // barriers) and, in pass order, one more scan (and barrier pair) per pass up to the one that
 // holds the worker's first unit.
@@ -395,15 +404,22 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   const SchedUnits u = sched_units(a, KEY_TILE);
   const int per = (a.num_requests + nthreads - 1) / nthreads;
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
-  int64_t mine = 0;
-  for (int r = rb; r < re; ++r) mine += request_units(a, ROWS, KEY_TILE, u, r);
+  int64_t mine = 0, mine_pairs = 0;
+  for (int r = rb; r < re; ++r) {
+    mine += request_units(a, ROWS, KEY_TILE, u, r);
+    mine_pairs += live_row_tiles(a, ROWS, r);
+  }
   // The list's head: overwritten below by the thread that finds the worker's first pair (a
   // walk from the head would also be right, only longer).
   if (tid == 0) start_s[0] = start_s[1] = start_s[2] = 0;
-  int64_t total = 0;
+  int64_t total = 0, pairs = 0;
   const int64_t before = block_exclusive_sum(mine, warp_sum_s, total);
-  if (total == 0) return false;  // no request has rows
-  const int workers = balanced_workers(total, int(gridDim.x), u.min_worker);
+  if (total == 0) return false;  // no request has rows (uniform: every thread has the total)
+  // The live pairs, for the worker count; the barrier first lets the scan's reads of
+  // warp_sum_s finish.
+  __syncthreads();
+  block_exclusive_sum(mine_pairs, warp_sum_s, pairs);
+  const int workers = balanced_workers(total, pairs, int(gridDim.x), u.min_worker);
   const int worker = int(blockIdx.x);
   if (worker >= workers) return false;
   const int64_t lo = share_begin(worker, total, workers);

@@ -466,6 +466,14 @@ DecodeArgs host_sched_args(const HostSchedCase& c, int rows) {
   return a;
 }
 
+// The worker count the device prologue takes for this batch: from its total units and its
+// live pairs (the prologue's two scans, a plain loop here).
+int host_workers(const DecodeArgs& a, int rows, int64_t total, int grid, const SchedUnits& u) {
+  int64_t pairs = 0;
+  for (int r = 0; r < a.num_requests; ++r) pairs += live_row_tiles(a, rows, r);
+  return balanced_workers(total, pairs, grid, u.min_worker);
+}
+
 template <int ROWS, int KEY_TILE>
 void check_host_schedule(const HostSchedCase& c) {
   const int R = int(c.seq.size());
@@ -477,7 +485,7 @@ void check_host_schedule(const HostSchedCase& c) {
   const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
   const int64_t total = off[size_t(R)];
   if (total == 0) return;
-  const int workers = balanced_workers(total, c.grid, u.min_worker);
+  const int workers = host_workers(a, ROWS, total, c.grid, u);
   ASSERT_GE(workers, 1);
   ASSERT_LE(workers, c.grid);
 
@@ -625,7 +633,7 @@ TEST(DecodeSched, WorkersAlignToTheRequests) {
   const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
   const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
-  const int workers = balanced_workers(off[128], c.grid, u.min_worker);
+  const int workers = host_workers(a, 16, off[128], c.grid, u);
   ASSERT_EQ(workers, 256);
   for (int w = 0; w < workers; ++w) {
     int pieces = 0;
@@ -635,6 +643,54 @@ TEST(DecodeSched, WorkersAlignToTheRequests) {
       EXPECT_EQ(piece.key1 - piece.key0, 2048) << "worker " << w;
     });
     EXPECT_EQ(pieces, 1) << "worker " << w;
+  }
+}
+
+// Short requests: the shares would fall below sched_min_keys, but the worker count stays at
+// least the live pair count, so a batch of short pairs (never cut) runs at most one pair per
+// worker instead of two or three in a row on a third of the workers (128 x 64 keys: 48
+// workers before).
+// Uniform batches of 16 / 64-row tiles, lengths from one key to just under the never-cut
+// limit, some just off a tile end; and a batch with padded slots (no query rows), whose pairs
+// are not counted.
+TEST(DecodeSched, ShortRequestsGetAWorkerEach) {
+  for (const int seq : {1, 31, 33, 64, 100, 255, 257, 480}) {
+    for (const int q : {1, 4}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "128 requests x 12 heads x " << q << " tokens, " << seq << " keys");
+      HostSchedCase c;
+      c.heads = 12;
+      c.max_qlen = q;
+      c.grid = q == 1 ? 256 : 128;
+      c.seq.assign(128, seq + q);
+      c.qlen.assign(128, q);
+      for (int r = 5; r < 128; r += 9) c.qlen[size_t(r)] = 0;  // padded slots
+      const int live = int(std::count(c.qlen.begin(), c.qlen.end(), q));
+      auto check = [&]<int ROWS, int KEY_TILE>() {
+        check_host_schedule<ROWS, KEY_TILE>(c);
+        const DecodeArgs a = host_sched_args(c, ROWS);
+        const SchedUnits u = sched_units(a, KEY_TILE);
+        const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
+        const int workers = host_workers(a, ROWS, off.back(), c.grid, u);
+        EXPECT_GE(workers, live);
+        std::vector<int> runs(size_t(c.seq.size()), 0);
+        for (int w = 0; w < workers; ++w) {
+          int pieces = 0;
+          walk_worker<ROWS, KEY_TILE>(a, u, w, workers, off.back(), off, false,
+                                      [&](const DecodeWork& p) {
+                                        ++pieces;
+                                        ++runs[size_t(p.r)];
+                                        EXPECT_TRUE(p.direct) << "worker " << w;
+                                      });
+          EXPECT_LE(pieces, 1) << "worker " << w;
+        }
+        for (size_t r = 0; r < runs.size(); ++r) EXPECT_EQ(runs[r], c.qlen[r] > 0 ? 1 : 0);
+      };
+      if (q == 1)
+        check.template operator()<16, 32>();
+      else
+        check.template operator()<64, 64>();
+    }
   }
 }
 
@@ -656,7 +712,7 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
   const SchedUnits u = sched_units(a, 32);
   const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
   const int64_t total = off[128];
-  const int workers = balanced_workers(total, 264, u.min_worker);
+  const int workers = host_workers(a, 16, total, 264, u);
   EXPECT_EQ(workers, 264);
   int64_t most = 0, sum = 0;
   for (int w = 0; w < workers; ++w) {
@@ -708,7 +764,7 @@ TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
     const SchedUnits u = sched_units(a, 64);
     const std::vector<int64_t> off = request_offsets<64, 64>(a, u);
     const int64_t total = off.back();
-    const int workers = balanced_workers(total, c.grid, u.min_worker);
+    const int workers = host_workers(a, 64, total, c.grid, u);
     ASSERT_EQ(workers % a.row_tiles, 0);
     const int group = workers / a.row_tiles;
     std::vector<std::vector<WalkPiece>> walks(static_cast<size_t>(workers));
