@@ -201,6 +201,7 @@ std::vector<Case> standard_cases() {
       decode_case(4, 12, 262144, 1),
       decode_case(1, 12, 1048576, 1),  // one 1M-token sequence (1.2 GB of bf16 cache)
       decode_case(1, 12, 65536, 1),    // one long sequence: the split-KV target
+      decode_case(128, 12, 512, 1),    // short contexts: what a call costs besides its stream
       decode_case(128, 128, 4096, 1),  // compute-bound (heads x q_len >= 128)
       decode_case(64, 128, 8192, 1),
       decode_case(64, 64, 8192, 2),
