@@ -135,7 +135,8 @@ __device__ inline bool per_request_work(const DecodeArgs& a, DecodeWork& w) {
 // Costs in key tiles of the kernel that runs (32 or 64 keys).
 struct SchedUnits {
   int pair = 1;         // start-up charge of one (request, row tile) pair, >= 1
-  int min_worker = 1;   // fewest units a worker gets (fewer workers for small batches)
+  int min_worker = 1;   // units a share should hold at least: fewer workers for small
+                        // batches, though never fewer than their live pairs (balanced_workers)
   int nosplit = 0;      // pairs of at most this many key tiles are never cut
 };
 
