@@ -1705,7 +1705,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
         [&](const DecodeWork& w) {
           splitkv_piece<T, ROWS, kConvert, STAGES, kFp8, kWarpOwn>(a, w);
         },
-        [&](const DecodeWork& w) { merge_cut_piece<T>(a, w); });
+        [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(a, cuts, n); });
   } else {
     // The 32 / 64-row kernels run at their 128-register cap (64 accumulators). Inside the
     // loop over pieces the compiler would keep values it derives from the arguments (the
@@ -1717,7 +1717,7 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
     for_each_decode_work<ROWS, kKeyTile>(
         args_s,
         [&](const DecodeWork& w) { splitkv_piece<T, ROWS, kConvert, STAGES, kFp8>(args_s, w); },
-        [&](const DecodeWork& w) { merge_cut_piece<T>(args_s, w); });
+        [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(args_s, cuts, n); });
   }
 }
 

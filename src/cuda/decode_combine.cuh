@@ -197,6 +197,120 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
   }
 }
 
+// A worker's merges after the fused combine's grid barrier: rows [lo, hi) of each of its
+// (at most two) cut pieces, as merge_cut_piece divides them. The split is over, so the
+// kernel's dynamic shared memory is free: every partial row the merges read (2 KB each) is
+// copied into it at once (cp.async, 16 B per thread and row) with its LSE, so the whole
+// merge waits one round trip, where merging row by row from registers waited one per
+// partial (H100, 2026-12-05: the merge took 6-8 us of (128, 12, 4k)'s 215). A thread then
+// owns four columns of a row: the weights exp(lse_s - max) over their sum, as the combine
+// kernel, summed in split order. Rows are taken in batches that fit; a piece whose pieces
+// alone do not fit (a long request cut over most of the grid, one row per worker) is merged
+// by merge_cut_piece.
+template <class T>
+__device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const DecodeWork* cuts,
+                                                 int ncuts) {
+  extern __shared__ __align__(16) std::byte merge_smem[];
+  uint32_t smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(smem_bytes));
+  constexpr int kRowFloats = kKvLoraRank, kCols = kKvLoraRank / 4;  // float4 columns
+  const int cap = int(smem_bytes / ((kRowFloats + 1) * 4));         // partial rows that fit
+  float* o_s = reinterpret_cast<float*>(merge_smem);
+  float* lse_s = o_s + int64_t(cap) * kRowFloats;
+  const int tid = int(threadIdx.x), threads = int(blockDim.x);
+  int lo[2] = {0, 0}, n_rows[2] = {0, 0}, S[2] = {1, 1};  // piece i: first row, rows, partials
+  for (int i = 0; i < ncuts; ++i) {
+    const DecodeWork& p = cuts[i];
+    const int rows = min(a.rows_per_cta, p.nrows - p.row0);
+    lo[i] = p.piece * rows / p.pieces;
+    n_rows[i] = (p.piece + 1) * rows / p.pieces - lo[i];
+    S[i] = p.pieces;
+  }
+  for (int i = 0; i < ncuts; ++i) {
+    if (S[i] > cap) {  // (uniform)
+      merge_cut_piece<T>(a, cuts[i]);
+      n_rows[i] = 0;
+    }
+  }
+  // (piece, row) items in order: piece 0's rows, then piece 1's; a batch is [b0, b1).
+  const int items = n_rows[0] + (ncuts > 1 ? n_rows[1] : 0);
+  auto piece_of = [&](int item) { return item < n_rows[0] ? 0 : 1; };
+  auto local_of = [&](int item) { return item < n_rows[0] ? item : item - n_rows[0]; };
+  // Partial s of an item: its ws index (ws_lse; ws_o times 512).
+  auto part = [&](int item, int s) {
+    const DecodeWork& p = cuts[piece_of(item)];
+    const int row = p.row0 + lo[piece_of(item)] + local_of(item);
+    return balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, row % a.rows_per_cta);
+  };
+  for (int b0 = 0; b0 < items;) {
+    // The batch: whole items while their partials fit; slots are numbered in item order.
+    int b1 = b0, slots = 0;
+    while (b1 < items && slots + S[piece_of(b1)] <= cap) slots += S[piece_of(b1++)];
+    // Slot k -> (item, partial): piece 0's items come first, each S[0] slots.
+    const int first0 = n_rows[0] > b0 ? min(b1, n_rows[0]) - b0 : 0;  // batch items of piece 0
+    auto slot_item = [&](int k, int& s) {
+      const int k1 = k - first0 * S[0];
+      if (k1 < 0) {
+        s = k % S[0];
+        return b0 + k / S[0];
+      }
+      s = k1 % S[1];
+      return b0 + first0 + k1 / S[1];
+    };
+    __syncthreads();  // the previous batch (or the split's last piece) is done with smem
+    auto smem = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
+    for (int k = tid; k < slots; k += threads) {
+      int s = 0;
+      const float* src = a.ws_lse + part(slot_item(k, s), s);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem(lse_s + k)), "l"(src));
+    }
+    for (int c = tid; c < slots * kCols; c += threads) {
+      int s = 0;
+      const int item = slot_item(c / kCols, s);
+      const float* src = a.ws_o + part(item, s) * kRowFloats + (c % kCols) * 4;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem(o_s + c * 4)),
+                   "l"(src));
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+    for (int c = tid; c < (b1 - b0) * kCols; c += threads) {
+      const int item = b0 + c / kCols, col = c % kCols;
+      const int n = S[piece_of(item)];
+      // The item's first slot: the batch's items before it, S slots each.
+      const int i0 = item - b0;
+      const int slot0 = i0 < first0 ? i0 * S[0] : first0 * S[0] + (i0 - first0) * S[1];
+      float big = kNegInf;
+      for (int s = 0; s < n; ++s) big = fmaxf(big, lse_s[slot0 + s]);
+      const DecodeWork& p = cuts[piece_of(item)];
+      const int64_t out_row =
+          int64_t(a.query_start[p.r]) * a.heads + p.row0 + lo[piece_of(item)] + local_of(item);
+      uint2 packed = make_uint2(0, 0);
+      float total = 0.0f;
+      if (big != kNegInf) {  // else no split saw a key: zeros and -inf
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s = 0; s < n; ++s) {
+          const float l = lse_s[slot0 + s];
+          const float w = l == kNegInf ? 0.0f : expf(l - big);
+          total += w;
+          if (w != 0.0f) {  // an empty partial's slot may hold NaN: never added
+            const float4 v =
+                *reinterpret_cast<const float4*>(o_s + (slot0 + s) * kRowFloats + col * 4);
+            sum.x += w * v.x;
+            sum.y += w * v.y;
+            sum.z += w * v.z;
+            sum.w += w * v.w;
+          }
+        }
+        const float inv = 1.0f / total;
+        packed = make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
+      }
+      *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + out_row * kKvLoraRank + col * 4) = packed;
+      if (col == 0) a.lse[out_row] = big == kNegInf ? kNegInf : big + logf(total);
+    }
+    b0 = b1;
+  }
+}
+
 // Launches a split kernel over `grid`, its first argument `a`; cooperatively when
 // a.fused_combine, which the kernel's grid-wide barrier needs (every CTA resident at once).
 // Where the grid would not fit at once (another GPU, a plan's worker count forced above

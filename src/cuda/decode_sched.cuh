@@ -490,9 +490,9 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
 // KEY_TILE are the calling kernel's row tile and key tile.
 // With a.fused_combine (balanced plans launched cooperatively, decode_combine.cuh) the pieces
 // of cut pairs are merged here instead of by a combine launch: after a grid-wide barrier,
-// `merge(piece)` runs for each of this worker's pieces of a cut pair (at most two: a piece
-// that starts before the worker's share and one that runs past its end, since every pair
-// inside the share is whole).
+// `merge(pieces, n)` gets this worker's pieces of cut pairs (n <= 2: a piece that starts
+// before the worker's share and one that runs past its end, since every pair inside the
+// share is whole).
 template <int ROWS, int KEY_TILE, class Run, class Merge>
 __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& run,
                                                      Merge&& merge) {
@@ -539,7 +539,7 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
   if (a.fused_combine) {
     // Every worker's partials (and the grid's ws writes) are visible after the barrier.
     cooperative_groups::this_grid().sync();
-    for (int i = 0; i < cuts_s; ++i) merge(*reinterpret_cast<const DecodeWork*>(cut_s[i]));
+    merge(reinterpret_cast<const DecodeWork*>(cut_s), cuts_s);
   }
 }
 #endif

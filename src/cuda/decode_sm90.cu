@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const __grid_constant__ CUtensorMap kmap) {
   for_each_decode_work<kRows, kKeys>(
       a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); },
-      [&](const DecodeWork& w) { merge_cut_piece<T>(a, w); });
+      [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(a, cuts, n); });
 }
 
 // ---- building-block probe (decode_sm90_probe) -----------------------------------------
