@@ -61,6 +61,10 @@ struct DecodeArgs {
   // balanced, launched cooperatively: the split kernel merges the cut pairs itself after a
   // grid-wide barrier and no combine runs (decode_combine.cuh, DecodePlan::fused_combine).
   bool fused_combine;
+  // The fused merge's partial rows per batch (merge_cut_pieces): 0, as many as the kernel's
+  // shared memory holds; else at most this many (KMLA_DECODE_MERGE_ROWS, for the tests:
+  // small batches, and a piece with more partials than that merged by merge_cut_piece).
+  int merge_rows;
 };
 
 // log2(block_size) for a power of two, else -1 (DecodeArgs::block_shift).

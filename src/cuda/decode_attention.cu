@@ -2565,6 +2565,7 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.sched_nosplit_keys = plan.sched_nosplit_keys;
   a.pass_major = balanced && plan.pass_major;
   a.fused_combine = balanced && plan.fused_combine && !plan.batch_invariant;
+  a.merge_rows = a.fused_combine ? std::max(env_int("KMLA_DECODE_MERGE_ROWS", 0), 0) : 0;
   return a;
 }
 

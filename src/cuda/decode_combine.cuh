@@ -204,9 +204,9 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
 // merge waits one round trip, where merging row by row from registers waited one per
 // partial (H100, 2026-12-05: the merge took 6-8 us of (128, 12, 4k)'s 215). A thread then
 // owns four columns of a row: the weights exp(lse_s - max) over their sum, as the combine
-// kernel, summed in split order. Rows are taken in batches that fit; a piece whose pieces
-// alone do not fit (a long request cut over most of the grid, one row per worker) is merged
-// by merge_cut_piece.
+// kernel, summed in split order. Rows are taken in batches that fit (DecodeArgs::merge_rows);
+// a piece whose pieces alone do not fit (a long request cut over most of the grid, one row
+// per worker) is merged by merge_cut_piece.
 template <class T>
 __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const DecodeWork* cuts,
                                                  int ncuts) {
@@ -214,7 +214,8 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
   uint32_t smem_bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(smem_bytes));
   constexpr int kRowFloats = kKvLoraRank, kCols = kKvLoraRank / 4;  // float4 columns
-  const int cap = int(smem_bytes / ((kRowFloats + 1) * 4));         // partial rows that fit
+  int cap = int(smem_bytes / ((kRowFloats + 1) * 4));               // partial rows that fit
+  if (a.merge_rows > 0) cap = min(cap, a.merge_rows);
   float* o_s = reinterpret_cast<float*>(merge_smem);
   float* lse_s = o_s + int64_t(cap) * kRowFloats;
   const int tid = int(threadIdx.x), threads = int(blockDim.x);

@@ -1562,6 +1562,32 @@ TEST(CudaDecodeCombine, OneLongRequestManySplits) {
                {247, 0}});
 }
 
+// The fused merge in batches of at most KMLA_DECODE_MERGE_ROWS partial rows: one item a
+// batch (2), a few (5: a piece of more partials than that goes to the warp-per-row merge
+// next to one that does not), and pieces of many partials; 16 and 64-row tiles, every
+// pair cut, mixed lengths with empty and one-key requests.
+TEST(CudaDecodeCombine, FusedMergeInSmallBatches) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 5;
+  c.block_size = 64;
+  c.seq_lens = {0, 1, 63, 9000, 65, 129, 31, 4000, 2, 700};
+  c.query_lens = {1, 1, 1, 3, 1, 2, 1, 1, 0, 4};
+  c.seed = 71;
+  for (const char* rows : {"2", "5", "40"}) {
+    SCOPED_TRACE(::testing::Message() << "KMLA_DECODE_MERGE_ROWS=" << rows);
+    ScopedEnv env("KMLA_DECODE_MERGE_ROWS", rows);
+    run_case(c, {{.workers = 100, .min_keys = 0, .nosplit_keys = 0, .pair_keys = 0, .fused = 1},
+                 {.rows_per_cta = 64,
+                  .workers = 37,
+                  .min_keys = 0,
+                  .nosplit_keys = 0,
+                  .pair_keys = 0,
+                  .fused = 1},
+                 {.workers = 7, .fused = 1}});
+  }
+}
+
 // A CUDA graph of decode_attention (the split kernel and the combine) replayed first with
 // every length cut to a third (another batch of the same shape), then with the real ones,
 // which run_case checks.
