@@ -172,7 +172,9 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
 
 // The fused combine's share of worker `piece.piece` of a pair cut into piece.pieces pieces
 // (from worker piece.w0 on): rows [s R / n, (s + 1) R / n) of the pair's R rows, whole rows
-// (one chunk), each warp two rows at a time. The arithmetic per row is the combine kernel's.
+// (one chunk), each warp two rows at a time from global memory. The arithmetic per row is
+// the combine kernel's. merge_cut_pieces (below) uses it for pieces of more partials than
+// its shared memory holds.
 template <class T>
 __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const DecodeWork& piece) {
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
@@ -200,24 +202,39 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
 // A worker's merges after the fused combine's grid barrier: rows [lo, hi) of each of its
 // (at most two) cut pieces, as merge_cut_piece divides them. The split is over, so the
 // kernel's dynamic shared memory is free: every partial row the merges read (2 KB each) is
-// copied into it at once (cp.async, 16 B per thread and row) with its LSE, so the whole
-// merge waits one round trip, where merging row by row from registers waited one per
-// partial (H100, 2026-12-05: the merge took 6-8 us of (128, 12, 4k)'s 215). A thread then
-// owns four columns of a row: the weights exp(lse_s - max) over their sum, as the combine
-// kernel, summed in split order. Rows are taken in batches that fit (DecodeArgs::merge_rows);
-// a piece whose pieces alone do not fit (a long request cut over most of the grid, one row
-// per worker) is merged by merge_cut_piece.
+// copied into it at once with its LSE (cp.async), so the merge waits one round trip instead
+// of one per partial and row. Rows go in batches that fit (DecodeArgs::merge_rows); in a
+// batch, each partial's ws index is worked out once and shared (a first version that
+// divided it out again for every 16-byte copy was slower than the warp-per-row merge on
+// H100), then the copies go out, then one thread per row turns its LSEs into weights
+// exp(lse_s - max) and 1 / their sum as the combine kernel does, then a thread sums four
+// columns of a row in split order. A piece of more partials than fit (a long request cut
+// over most of the grid, about one row per worker) goes to merge_cut_piece.
+// Measured on H200 (2026-12-05, eleventh session, against merge_cut_piece for every piece,
+// alternated twice): (128, 12, 8k) 305.2 / 303.2 -> 298.9 / 296.1 us, (128, 16, 4k) 162.8 /
+// 162.7 -> 160.5 / 160.7, (32, 12, 32k) 302.0 / 302.4 -> 299.2 / 298.8, mixed lengths
+// 302.3 / 300.2 -> 296.2 / 297.7, block size 16 307.1 / 307.4 -> 300.9 / 301.9; per-CTA
+// timer stamps put the merge of (128, 12, 4k) at 4.1 us against 5.3; q 4, DSpark and the
+// 128-head shapes unchanged.
 template <class T>
 __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const DecodeWork* cuts,
                                                  int ncuts) {
   extern __shared__ __align__(16) std::byte merge_smem[];
   uint32_t smem_bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(smem_bytes));
-  constexpr int kRowFloats = kKvLoraRank, kCols = kKvLoraRank / 4;  // float4 columns
-  int cap = int(smem_bytes / ((kRowFloats + 1) * 4));               // partial rows that fit
+  constexpr int kCols = kKvLoraRank / 4;  // float4 columns of a row
+  // Per partial (slot): its columns, ws index and LSE (then weight); per row (item, at most
+  // one per slot): output row, first slot, partials and 1 / the weights' sum.
+  constexpr int kPerSlot = kKvLoraRank * 4 + 8 + 4 + 8 + 4 + 4 + 4;
+  int cap = int(smem_bytes / kPerSlot);
   if (a.merge_rows > 0) cap = min(cap, a.merge_rows);
   float* o_s = reinterpret_cast<float*>(merge_smem);
-  float* lse_s = o_s + int64_t(cap) * kRowFloats;
+  int64_t* index_s = reinterpret_cast<int64_t*>(o_s + int64_t(cap) * kKvLoraRank);
+  int64_t* out_s = index_s + cap;
+  float* w_s = reinterpret_cast<float*>(out_s + cap);
+  int* slot0_s = reinterpret_cast<int*>(w_s + cap);
+  int* n_s = slot0_s + cap;
+  float* inv_s = reinterpret_cast<float*>(n_s + cap);
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
   int lo[2] = {0, 0}, n_rows[2] = {0, 0}, S[2] = {1, 1};  // piece i: first row, rows, partials
   for (int i = 0; i < ncuts; ++i) {
@@ -236,77 +253,77 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
   // (piece, row) items in order: piece 0's rows, then piece 1's; a batch is [b0, b1).
   const int items = n_rows[0] + (ncuts > 1 ? n_rows[1] : 0);
   auto piece_of = [&](int item) { return item < n_rows[0] ? 0 : 1; };
-  auto local_of = [&](int item) { return item < n_rows[0] ? item : item - n_rows[0]; };
-  // Partial s of an item: its ws index (ws_lse; ws_o times 512).
-  auto part = [&](int item, int s) {
-    const DecodeWork& p = cuts[piece_of(item)];
-    const int row = p.row0 + lo[piece_of(item)] + local_of(item);
-    return balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, row % a.rows_per_cta);
-  };
   for (int b0 = 0; b0 < items;) {
     // The batch: whole items while their partials fit; slots are numbered in item order.
     int b1 = b0, slots = 0;
     while (b1 < items && slots + S[piece_of(b1)] <= cap) slots += S[piece_of(b1++)];
-    // Slot k -> (item, partial): piece 0's items come first, each S[0] slots.
     const int first0 = n_rows[0] > b0 ? min(b1, n_rows[0]) - b0 : 0;  // batch items of piece 0
-    auto slot_item = [&](int k, int& s) {
-      const int k1 = k - first0 * S[0];
-      if (k1 < 0) {
-        s = k % S[0];
-        return b0 + k / S[0];
-      }
-      s = k1 % S[1];
-      return b0 + first0 + k1 / S[1];
-    };
     __syncthreads();  // the previous batch (or the split's last piece) is done with smem
-    auto smem = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
+    // 1. where each partial is, and each row's output and slots
     for (int k = tid; k < slots; k += threads) {
-      int s = 0;
-      const float* src = a.ws_lse + part(slot_item(k, s), s);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem(lse_s + k)), "l"(src));
+      const int k1 = k - first0 * S[0];  // slot k: piece 0's items first, S[0] slots each
+      const int pi = k1 < 0 ? 0 : 1;
+      const int s = k1 < 0 ? k % S[0] : k1 % S[1];
+      const int local = k1 < 0 ? b0 + k / S[0] : b0 + first0 + k1 / S[1] - n_rows[0];
+      const DecodeWork& p = cuts[pi];
+      index_s[k] = balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, lo[pi] + local);
     }
+    for (int i = tid; i < b1 - b0; i += threads) {
+      const int item = b0 + i, pi = piece_of(item);
+      const DecodeWork& p = cuts[pi];
+      const int local = item - (pi ? n_rows[0] : 0);
+      out_s[i] = int64_t(a.query_start[p.r]) * a.heads + p.row0 + lo[pi] + local;
+      slot0_s[i] = i < first0 ? i * S[0] : first0 * S[0] + (i - first0) * S[1];
+      n_s[i] = S[pi];
+    }
+    __syncthreads();
+    // 2. the copies: LSEs and columns, one round trip
+    auto smem = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
+    for (int k = tid; k < slots; k += threads)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem(w_s + k)),
+                   "l"(a.ws_lse + index_s[k]));
     for (int c = tid; c < slots * kCols; c += threads) {
-      int s = 0;
-      const int item = slot_item(c / kCols, s);
-      const float* src = a.ws_o + part(item, s) * kRowFloats + (c % kCols) * 4;
+      const float* src = a.ws_o + index_s[c / kCols] * kKvLoraRank + (c % kCols) * 4;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem(o_s + c * 4)),
                    "l"(src));
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
-    for (int c = tid; c < (b1 - b0) * kCols; c += threads) {
-      const int item = b0 + c / kCols, col = c % kCols;
-      const int n = S[piece_of(item)];
-      // The item's first slot: the batch's items before it, S slots each.
-      const int i0 = item - b0;
-      const int slot0 = i0 < first0 ? i0 * S[0] : first0 * S[0] + (i0 - first0) * S[1];
+    // 3. a row's weights (in place of its LSEs), 1 / their sum and its LSE
+    for (int i = tid; i < b1 - b0; i += threads) {
+      const int slot0 = slot0_s[i], n = n_s[i];
       float big = kNegInf;
-      for (int s = 0; s < n; ++s) big = fmaxf(big, lse_s[slot0 + s]);
-      const DecodeWork& p = cuts[piece_of(item)];
-      const int64_t out_row =
-          int64_t(a.query_start[p.r]) * a.heads + p.row0 + lo[piece_of(item)] + local_of(item);
-      uint2 packed = make_uint2(0, 0);
+      for (int s = 0; s < n; ++s) big = fmaxf(big, w_s[slot0 + s]);
       float total = 0.0f;
-      if (big != kNegInf) {  // else no split saw a key: zeros and -inf
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s = 0; s < n; ++s) {
-          const float l = lse_s[slot0 + s];
-          const float w = l == kNegInf ? 0.0f : expf(l - big);
-          total += w;
-          if (w != 0.0f) {  // an empty partial's slot may hold NaN: never added
-            const float4 v =
-                *reinterpret_cast<const float4*>(o_s + (slot0 + s) * kRowFloats + col * 4);
-            sum.x += w * v.x;
-            sum.y += w * v.y;
-            sum.z += w * v.z;
-            sum.w += w * v.w;
-          }
-        }
-        const float inv = 1.0f / total;
-        packed = make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
+      for (int s = 0; s < n; ++s) {  // no split saw a key: weights 0, zeros and -inf
+        const float l = w_s[slot0 + s];
+        const float w = l == kNegInf ? 0.0f : expf(l - big);
+        w_s[slot0 + s] = w;
+        total += w;
       }
-      *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + out_row * kKvLoraRank + col * 4) = packed;
-      if (col == 0) a.lse[out_row] = big == kNegInf ? kNegInf : big + logf(total);
+      inv_s[i] = big == kNegInf ? 0.0f : 1.0f / total;
+      a.lse[out_s[i]] = big == kNegInf ? kNegInf : big + logf(total);
+    }
+    __syncthreads();
+    // 4. the sums, four columns a thread
+    for (int c = tid; c < (b1 - b0) * kCols; c += threads) {
+      const int i = c / kCols, col = c % kCols;
+      const int slot0 = slot0_s[i], n = n_s[i];
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int s = 0; s < n; ++s) {
+        const float w = w_s[slot0 + s];
+        if (w != 0.0f) {  // an empty partial's slot may hold NaN: never added
+          const float4 v =
+              *reinterpret_cast<const float4*>(o_s + (slot0 + s) * kKvLoraRank + col * 4);
+          sum.x += w * v.x;
+          sum.y += w * v.y;
+          sum.z += w * v.z;
+          sum.w += w * v.w;
+        }
+      }
+      const float inv = inv_s[i];
+      *reinterpret_cast<uint2*>(static_cast<T*>(a.out) + out_s[i] * kKvLoraRank + col * 4) =
+          make_uint2(pack2<T>(sum.x * inv, sum.y * inv), pack2<T>(sum.z * inv, sum.w * inv));
     }
     b0 = b1;
   }
