@@ -170,18 +170,23 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
   }
 }
 
-// The fused combine's share of worker `piece.piece` of a pair cut into piece.pieces pieces
-// (from worker piece.w0 on): rows [s R / n, (s + 1) R / n) of the pair's R rows, whole rows
-// (one chunk), each warp two rows at a time from global memory. The arithmetic per row is
-// the combine kernel's. merge_cut_pieces (below) uses it for pieces of more partials than
-// its shared memory holds.
+// The rows of its pair that the fused combine gives the worker of piece s of a pair cut into
+// n pieces: [s R / n, (s + 1) R / n) of the pair's R rows, as [x, y).
+__device__ __forceinline__ int2 merge_rows_of(const DecodeArgs& a, const DecodeWork& piece) {
+  const int rows = min(a.rows_per_cta, piece.nrows - piece.row0);
+  return make_int2(piece.piece * rows / piece.pieces, (piece.piece + 1) * rows / piece.pieces);
+}
+
+// Those rows of `piece` (from worker piece.w0 on), whole rows (one chunk), each warp two rows
+// at a time from global memory. The arithmetic per row is the combine kernel's.
+// merge_cut_pieces (below) uses it for pieces of more partials than its shared memory holds.
 template <class T>
 __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const DecodeWork& piece) {
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
   const int warps = int(blockDim.x) >> 5;
-  const int rows = min(a.rows_per_cta, piece.nrows - piece.row0);
-  const int n = piece.pieces, s = piece.piece;
-  const int lo = s * rows / n, hi = (s + 1) * rows / n;
+  const int n = piece.pieces;
+  const int2 range = merge_rows_of(a, piece);
+  const int lo = range.x, hi = range.y;
   auto partials = [&](int local) {
     const int row = piece.row0 + local;
     return RowPartials{int64_t(piece.r) * a.max_rows + row, row, n, piece.w0};
@@ -199,8 +204,8 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
   }
 }
 
-// A worker's merges after the fused combine's grid barrier: rows [lo, hi) of each of its
-// (at most two) cut pieces, as merge_cut_piece divides them. The split is over, so the
+// A worker's merges after the fused combine's grid barrier: the rows (merge_rows_of) of each
+// of its (at most two) cut pieces. The split is over, so the
 // kernel's dynamic shared memory is free: every partial row the merges read (2 KB each) is
 // copied into it at once with its LSE (cp.async), so the merge waits one round trip instead
 // of one per partial and row. Rows go in batches that fit (DecodeArgs::merge_rows); in a
@@ -238,11 +243,10 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
   int lo[2] = {0, 0}, n_rows[2] = {0, 0}, S[2] = {1, 1};  // piece i: first row, rows, partials
   for (int i = 0; i < ncuts; ++i) {
-    const DecodeWork& p = cuts[i];
-    const int rows = min(a.rows_per_cta, p.nrows - p.row0);
-    lo[i] = p.piece * rows / p.pieces;
-    n_rows[i] = (p.piece + 1) * rows / p.pieces - lo[i];
-    S[i] = p.pieces;
+    const int2 range = merge_rows_of(a, cuts[i]);
+    lo[i] = range.x;
+    n_rows[i] = range.y - range.x;
+    S[i] = cuts[i].pieces;
   }
   for (int i = 0; i < ncuts; ++i) {
     if (S[i] > cap) {  // (uniform)
