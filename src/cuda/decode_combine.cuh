@@ -204,17 +204,16 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
   }
 }
 
-// A worker's merges after the fused combine's grid barrier: the rows (merge_rows_of) of each
-// of its (at most two) cut pieces. The split is over, so the
-// kernel's dynamic shared memory is free: every partial row the merges read (2 KB each) is
-// copied into it at once with its LSE (cp.async), so the merge waits one round trip instead
-// of one per partial and row. Rows go in batches that fit (DecodeArgs::merge_rows); in a
-// batch, each partial's ws index is worked out once and shared (a first version that
-// divided it out again for every 16-byte copy was slower than the warp-per-row merge on
-// H100), then the copies go out, then one thread per row turns its LSEs into weights
-// exp(lse_s - max) and 1 / their sum as the combine kernel does, then a thread sums four
-// columns of a row in split order. A piece of more partials than fit (a long request cut
-// over most of the grid, about one row per worker) goes to merge_cut_piece.
+// A worker's merges after the fused combine's grid barrier: the rows (merge_rows_of) of each of
+// its (at most two) cut pieces. The split is over, so the kernel's dynamic shared memory is
+// free: every partial row the merges read (2 KB each) is copied into it at once with its LSE
+// (cp.async), so the merge waits one round trip instead of one per partial and row. Rows go in
+// batches that fit (DecodeArgs::merge_rows); in a batch, each partial's ws index is worked out
+// once and shared (a first version that divided it out again for every 16-byte copy was slower
+// than the warp-per-row merge on H100), then the copies go out, then one thread per row turns
+// its LSEs into weights exp(lse_s - max) and 1 / their sum as the combine kernel does, then a
+// thread sums four columns of a row in split order. A piece of more partials than fit (a long
+// request cut over most of the grid, about one row per worker) goes to merge_cut_piece.
 // Measured on H200 (2026-12-05, eleventh session, against merge_cut_piece for every piece,
 // alternated twice): (128, 12, 8k) 305.2 / 303.2 -> 298.9 / 296.1 us, (128, 16, 4k) 162.8 /
 // 162.7 -> 160.5 / 160.7, (32, 12, 32k) 302.0 / 302.4 -> 299.2 / 298.8, mixed lengths
@@ -263,22 +262,17 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
     while (b1 < items && slots + S[piece_of(b1)] <= cap) slots += S[piece_of(b1++)];
     const int first0 = n_rows[0] > b0 ? min(b1, n_rows[0]) - b0 : 0;  // batch items of piece 0
     __syncthreads();  // the previous batch (or the split's last piece) is done with smem
-    // 1. where each partial is, and each row's output and slots
-    for (int k = tid; k < slots; k += threads) {
-      const int k1 = k - first0 * S[0];  // slot k: piece 0's items first, S[0] slots each
-      const int pi = k1 < 0 ? 0 : 1;
-      const int s = k1 < 0 ? k % S[0] : k1 % S[1];
-      const int local = k1 < 0 ? b0 + k / S[0] : b0 + first0 + k1 / S[1] - n_rows[0];
-      const DecodeWork& p = cuts[pi];
-      index_s[k] = balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, lo[pi] + local);
-    }
+    // 1. each row's output and slots, and where its partials are (a thread per row)
     for (int i = tid; i < b1 - b0; i += threads) {
       const int item = b0 + i, pi = piece_of(item);
       const DecodeWork& p = cuts[pi];
       const int local = item - (pi ? n_rows[0] : 0);
+      const int slot0 = i < first0 ? i * S[0] : first0 * S[0] + (i - first0) * S[1];
       out_s[i] = int64_t(a.query_start[p.r]) * a.heads + p.row0 + lo[pi] + local;
-      slot0_s[i] = i < first0 ? i * S[0] : first0 * S[0] + (i - first0) * S[1];
+      slot0_s[i] = slot0;
       n_s[i] = S[pi];
+      for (int s = 0; s < S[pi]; ++s)
+        index_s[slot0 + s] = balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, lo[pi] + local);
     }
     __syncthreads();
     // 2. the copies: LSEs and columns, one round trip
