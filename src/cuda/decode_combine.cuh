@@ -220,6 +220,11 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
 // 302.3 / 300.2 -> 296.2 / 297.7, block size 16 307.1 / 307.4 -> 300.9 / 301.9; per-CTA
 // timer stamps put the merge of (128, 12, 4k) at 4.1 us against 5.3; q 4, DSpark and the
 // 128-head shapes unchanged.
+// Every loop here runs once per CTA, from a cold instruction cache, so none is unrolled: on H100
+// (2026-12-05, twelfth session, alternated twice, bitwise the same results) the 64-row shapes
+// that cut pairs gained ~2 us (DSpark 226.6 / 225.8 -> 224.3 / 223.9, (16, 128, 4k) 68.5 / 67.0
+// -> 66.1 / 65.3, mixed q 2..6 505.2 / 506.5 -> 504.3 / 503.2), the 16-row ones stayed within
+// +-1 us.
 template <class T>
 __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const DecodeWork* cuts,
                                                  int ncuts) {
@@ -241,12 +246,14 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
   float* inv_s = reinterpret_cast<float*>(n_s + cap);
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
   int lo[2] = {0, 0}, n_rows[2] = {0, 0}, S[2] = {1, 1};  // piece i: first row, rows, partials
+#pragma unroll 1
   for (int i = 0; i < ncuts; ++i) {
     const int2 range = merge_rows_of(a, cuts[i]);
     lo[i] = range.x;
     n_rows[i] = range.y - range.x;
     S[i] = cuts[i].pieces;
   }
+#pragma unroll 1
   for (int i = 0; i < ncuts; ++i) {
     if (S[i] > cap) {  // (uniform)
       merge_cut_piece<T>(a, cuts[i]);
@@ -256,13 +263,16 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
   // (piece, row) items in order: piece 0's rows, then piece 1's; a batch is [b0, b1).
   const int items = n_rows[0] + (ncuts > 1 ? n_rows[1] : 0);
   auto piece_of = [&](int item) { return item < n_rows[0] ? 0 : 1; };
+#pragma unroll 1
   for (int b0 = 0; b0 < items;) {
     // The batch: whole items while their partials fit; slots are numbered in item order.
     int b1 = b0, slots = 0;
+#pragma unroll 1
     while (b1 < items && slots + S[piece_of(b1)] <= cap) slots += S[piece_of(b1++)];
     const int first0 = n_rows[0] > b0 ? min(b1, n_rows[0]) - b0 : 0;  // batch items of piece 0
     __syncthreads();  // the previous batch (or the split's last piece) is done with smem
     // 1. each row's output and slots, and where its partials are (a thread per row)
+#pragma unroll 1
     for (int i = tid; i < b1 - b0; i += threads) {
       const int item = b0 + i, pi = piece_of(item);
       const DecodeWork& p = cuts[pi];
@@ -271,15 +281,18 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
       out_s[i] = int64_t(a.query_start[p.r]) * a.heads + p.row0 + lo[pi] + local;
       slot0_s[i] = slot0;
       n_s[i] = S[pi];
+#pragma unroll 1
       for (int s = 0; s < S[pi]; ++s)
         index_s[slot0 + s] = balanced_partial(p.w0, p.pieces, s, a.rows_per_cta, lo[pi] + local);
     }
     __syncthreads();
     // 2. the copies: LSEs and columns, one round trip
     auto smem = [](const void* p) { return uint32_t(__cvta_generic_to_shared(p)); };
+#pragma unroll 1
     for (int k = tid; k < slots; k += threads)
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem(w_s + k)),
                    "l"(a.ws_lse + index_s[k]));
+#pragma unroll 1
     for (int c = tid; c < slots * kCols; c += threads) {
       const float* src = a.ws_o + index_s[c / kCols] * kKvLoraRank + (c % kCols) * 4;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem(o_s + c * 4)),
@@ -288,11 +301,14 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
     // 3. a row's weights (in place of its LSEs), 1 / their sum and its LSE
+#pragma unroll 1
     for (int i = tid; i < b1 - b0; i += threads) {
       const int slot0 = slot0_s[i], n = n_s[i];
       float big = kNegInf;
+#pragma unroll 1
       for (int s = 0; s < n; ++s) big = fmaxf(big, w_s[slot0 + s]);
       float total = 0.0f;
+#pragma unroll 1
       for (int s = 0; s < n; ++s) {  // no split saw a key: weights 0, zeros and -inf
         const float l = w_s[slot0 + s];
         const float w = l == kNegInf ? 0.0f : expf(l - big);
@@ -304,10 +320,12 @@ __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const Deco
     }
     __syncthreads();
     // 4. the sums, four columns a thread
+#pragma unroll 1
     for (int c = tid; c < (b1 - b0) * kCols; c += threads) {
       const int i = c / kCols, col = c % kCols;
       const int slot0 = slot0_s[i], n = n_s[i];
       float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 1
       for (int s = 0; s < n; ++s) {
         const float w = w_s[slot0 + s];
         if (w != 0.0f) {  // an empty partial's slot may hold NaN: never added
