@@ -223,8 +223,8 @@ __device__ __forceinline__ void merge_cut_piece(const DecodeArgs& a, const Decod
 // Every loop here runs once per CTA, from a cold instruction cache, so none is unrolled: on H100
 // (2026-12-05, twelfth session, alternated twice, bitwise the same results) the 64-row shapes
 // that cut pairs gained ~2 us (DSpark 226.6 / 225.8 -> 224.3 / 223.9, (16, 128, 4k) 68.5 / 67.0
-// -> 66.1 / 65.3, mixed q 2..6 505.2 / 506.5 -> 504.3 / 503.2), the 16-row ones stayed within
-// +-1 us.
+// -> 66.1 / 65.3, mixed q 2..6 505.2 / 506.5 -> 504.3 / 503.2), the 16-row ones moved within
+// +-1.6 us both ways.
 template <class T>
 __device__ __forceinline__ void merge_cut_pieces(const DecodeArgs& a, const DecodeWork* cuts,
                                                  int ncuts) {
