@@ -236,14 +236,6 @@ __device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWor
   }
 }
 
-// Multiplies this thread's two rows of an O half by c_lo / c_hi, unless `skip` and no row
-// of the warp has a factor other than exactly 1 (warp-uniform: 2^0 = 1 changes nothing).
-__device__ __forceinline__ void rescale_o(float (&o)[128], float c_lo, float c_hi, bool skip) {
-  if (skip && !__any_sync(0xffffffffu, c_lo != 1.0f || c_hi != 1.0f)) return;
-  const float c[2] = {c_lo, c_hi};
-  scale_acc_rows(o, c);
-}
-
 #endif  // KMLA_SM90A
 
 // Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
