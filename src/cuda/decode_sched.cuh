@@ -402,9 +402,9 @@ __device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
 // Its loops, and those of the block scans above, run once per CTA from a cold instruction
 // cache, so none is unrolled (213 KB less code in the binary). Measured (2026-12-06,
 // alternated; the results are bitwise the same): the K3 layer decode step 347.3 / 345.8 ->
-// 340.0 / 340.0 us on H200, and with two more once-per-piece loops not unrolled (no gain of
-// their own) 473.1 / 475.6 / 473.0 -> 466.5 / 468.5 / 469.2 on H100; the other decode cases
-// within +-1.5 us except plain fp8 (128, 12, 8k), +2.7 us on the H200 and -1.7 on the H100.
+// 340.0 / 340.0 us and 353.0 / 352.4 / 352.8 -> 346.1 / 346.1 / 346.5 on two H200s (and
+// -5 us on an H100, with two once-per-piece loops in decode_attention.cu also not unrolled);
+// the other decode cases within +-1.5 us but plain fp8, 1-4 us slower on both H200s.
 template <int ROWS, int KEY_TILE>
 __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
   __shared__ int64_t warp_sum_s[32];
