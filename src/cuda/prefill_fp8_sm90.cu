@@ -34,8 +34,19 @@ namespace {
 constexpr int kNope = 128, kRope = 64, kVDim = 128;  // MLA's head dims, fixed
 // Query rows per item: two consumer warpgroups of 64.
 constexpr int kBlockM = prefill_common::kRows;
-constexpr int kBlockN = prefill_common::kKeys;  // keys per tile
 constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
+
+// Keys per tile: 160, FA3's choice for e4m3 at these head dims. A consumer thread's
+// per-tile work that does not scale with the keys (the max shuffles, the rescale decision,
+// the barriers, the MMA issue) is spread over 80 scores instead of 64. Measured against 128
+// (H100, 2026-12-06, 12 runs each, alternated over three calls): 8k x 16 heads causal 376-390
+// us against 385-397 (medians 385.9 / 396.0, -2.6 %); 8k x 64 within its noise (medians 1506 /
+// 1501, each 1450-1571). 2 stages only: a third does not fit, and lost with 128-key tiles.
+constexpr int kBlockN = 160;
+constexpr int kStages = 2;  // depth of the K ring, the raw V ring and the V^T ring alike
+// Per consumer thread: S registers (m64n160 fp32), and the 32-key k-steps of P.V.
+[[maybe_unused]] constexpr int kAcc = kBlockN / 2;
+[[maybe_unused]] constexpr int kSteps = kBlockN / 32;
 
 // Shared memory, all from a 1024-byte-aligned base. An e4m3 element is one byte, so a
 // 128-dim row is exactly one 128-byte swizzle row ("SW128": 16-byte chunk c of row r at
@@ -44,33 +55,33 @@ constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 // repeating every 512 bytes). Both are the layouts TMA writes with the matching swizzle mode
 // and that wgmma reads through a K-major descriptor of that mode.
 //   Q        nope SW128 [128 rows][128 B] 16384, rope SW64 [128][64 B] 8192       24576
-//   stage s  K nope SW128 16384 | K rope SW64 8192 | V raw SW128 [keys][dims] 16384 |
-//            V^T SW128 [dims][keys] 16384                                            57344
-//   total    2 stages: 24576 + 2 x 57344 = 139264 (136 KiB), 3 stages: 196608 (192 KiB),
-//            + 1024 alignment slack
+//   stage s  K nope SW128 [160][128 B] 20480 | K rope SW64 [160][64 B] 10240 |
+//            V raw SW128 [160 keys][128 dims] 20480 | V^T two SW128 panels [128 dims][128
+//            key slots] 32768 (keys 128-159 in the second, the first 32 bytes of its rows:
+//            12 KiB unused, so that every k-step has the one descriptor form)       83968
+//   total    24576 + 2 x 83968 = 192512 (188 KiB), + 1024 alignment slack
 // The 13 mbarriers are static shared memory (104 bytes).
 constexpr int kQNopeBytes = kBlockM * 128;  // 16384
 constexpr int kQRopeBytes = kBlockM * 64;   // 8192
 constexpr int kQBytes = kQNopeBytes + kQRopeBytes;
+constexpr int kVtPanelBytes = kVDim * 128;  // one SW128 panel of V^T: 128 dims x 128 key slots
 [[maybe_unused]] constexpr int kKNopeOff = 0;
-constexpr int kKRopeOff = kBlockN * 128;          // 16384
-constexpr int kVRawOff = kKRopeOff + kBlockN * 64;  // 24576
-constexpr int kVtOff = kVRawOff + kBlockN * 128;    // 40960
-constexpr int kStageBytes = kVtOff + kVDim * kBlockN;  // 57344
-[[maybe_unused]] constexpr int kKBytes = kVRawOff;                   // K nope + rope: 24576
-[[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;            // 16384
-// kStages (a template parameter, 2 or 3) is the depth of the K ring, the raw V ring and the
-// V^T ring alike.
-constexpr int smem_alloc(int stages) { return kQBytes + stages * kStageBytes + 1024; }
+constexpr int kKRopeOff = kBlockN * 128;                   // 20480
+constexpr int kVRawOff = kKRopeOff + kBlockN * 64;         // 30720
+constexpr int kVtOff = kVRawOff + kBlockN * 128;           // 51200
+constexpr int kStageBytes = kVtOff + 2 * kVtPanelBytes;    // 83968
+[[maybe_unused]] constexpr int kKBytes = kVRawOff;         // K nope + rope: 30720
+[[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;  // 20480
+constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
 static_assert(kKRopeOff % 1024 == 0 && kVRawOff % 1024 == 0 && kVtOff % 1024 == 0 &&
               kStageBytes % 1024 == 0 && kQBytes % 1024 == 0);
-static_assert(smem_alloc(3) <= 227 * 1024, "3 stages fit the sm_90 per-block opt-in");
+static_assert(kSmemBytes <= 227 * 1024, "the rings fit the sm_90 per-block opt-in");
 
 // Registers (65536 per SM, one CTA): 168 per thread at launch (__launch_bounds__(384, 1)), then
 // the producer drops to 72 and the consumers rise to 216: 128 x 72 + 256 x 216 = 64512, the
-// registers the launch allocated. A consumer holds O (64 fp32), S (64 fp32), P (16 registers
-// of 4 e4m3 codes: half of the 16-bit kernels' 32) and the softmax state; ptxas fits it in 184
-// (0 spills). The producer's ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
+// registers the launch allocated. A consumer holds O (64 fp32), S (80 fp32), P (20 registers of
+// 4 e4m3 codes) and the softmax state (ptxas: 0 spills).
+// The producer's ldmatrix transposers keep 8 x4 loads (32 registers) in flight.
 constexpr int kProducerRegs = 72;
 constexpr int kConsumerRegs = 216;
 // Lazy rescale (Fp8PrefillOptions::lazy_rescale): how far, in base 2, a row's max may rise
@@ -134,7 +145,11 @@ __device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
   "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "  \
   "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "  \
-  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define KMLA_FP8_D80                                                              \
+  KMLA_FP8_D64                                                                    \
+  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, " \
+  "%79"
 #define KMLA_FP8_ACC8(i)                                                                     \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -142,15 +157,15 @@ __device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
   KMLA_FP8_ACC8(0), KMLA_FP8_ACC8(8), KMLA_FP8_ACC8(16), KMLA_FP8_ACC8(24), KMLA_FP8_ACC8(32), \
       KMLA_FP8_ACC8(40), KMLA_FP8_ACC8(48), KMLA_FP8_ACC8(56)
 
-// d (64 x 128 fp32) = (accumulate ? d : 0) + A (64 x 32 e4m3, smem) B^T (B: 128 x 32 e4m3,
+// d (64 x 160 fp32) = (accumulate ? d : 0) + A (64 x 32 e4m3, smem) B^T (B: 160 x 32 e4m3,
 // smem), both K-major (8-bit wgmma has no transpose).
-__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[80], uint64_t desc_a, uint64_t desc_b,
                                               bool accumulate) {
   asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
-      ", %64, %65, p, 1, 1;\n}\n"
-      : KMLA_FP8_ACC64
+      "{\n .reg .pred p;\n setp.ne.b32 p, %82, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 " KMLA_FP8_D80
+      "}, %80, %81, p, 1, 1;\n}\n"
+      : KMLA_FP8_ACC64, KMLA_FP8_ACC8(64), KMLA_FP8_ACC8(72)
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
 }
 // d (64 x 128 fp32) += A (64 x 32 e4m3 in registers: per warp the m16n8k32 8-bit A fragment,
@@ -161,13 +176,27 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KMLA_FP8_D64
-      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : KMLA_FP8_ACC64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 #undef KMLA_FP8_ACC64
 #undef KMLA_FP8_ACC8
+#undef KMLA_FP8_D80
 #undef KMLA_FP8_D64
+
+// The largest of m[0 .. W - 1] as a balanced tree (ceil(log2 W) levels, not a chain of W - 1).
+template <int W>
+__device__ __forceinline__ float tree_max(float* m) {
+  if constexpr (W == 1) {
+    return m[0];
+  } else {
+    constexpr int h = (W + 1) / 2;
+#pragma unroll
+    for (int i = 0; i < W - h; ++i) m[i] = fmaxf(m[i], m[i + h]);
+    return tree_max<h>(m);
+  }
+}
 
 // Four fp32 values as e4m3 codes (round to nearest even, saturating), b0 in the low byte.
 __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
@@ -181,12 +210,12 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
   return r;
 }
 
-// P (fp32 accumulator layout) as the A fragments of the four 32-key k-steps of P.V: column
+// P (fp32 accumulator layout) as the A fragments of the 32-key k-steps of P.V: column
 // blocks 4kk .. 4kk + 3 packed in register order, which is the relabelled key order
 // transpose_v writes V^T in.
-__device__ __forceinline__ void pack_p_e4m3(const float (&sc)[64], uint32_t (&pa)[4][4]) {
+__device__ __forceinline__ void pack_p_e4m3(const float (&sc)[kAcc], uint32_t (&pa)[kSteps][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < kSteps; ++kk) {
     const float* s = sc + 16 * kk;
     pa[kk][0] = e4m3x4(s[0], s[1], s[4], s[5]);
     pa[kk][1] = e4m3x4(s[2], s[3], s[6], s[7]);
@@ -239,23 +268,26 @@ __device__ __forceinline__ void cp_async_commit_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// The partial-tile path: one warp copies 128 rows of 128 (SW128) or 64 (SW64) bytes with
-// cp.async; rows >= valid are zero-filled without being read (src-size 0), so neither the
-// next sequence's rows nor NaN padding reach an MMA. Rolled loops: 56 registers, rare path.
+// The partial-tile path: one warp copies kRowsT rows (a Q block or a key tile) of 128 (SW128)
+// or 64 (SW64) bytes with cp.async; rows >= valid are zero-filled without being read
+// (src-size 0), so neither the next sequence's rows nor NaN padding reach an MMA. Rolled
+// loops: 56 registers, rare path.
+template <int kRowsT>
 __device__ __forceinline__ void warp_copy_sw128(uint32_t panel, const uint8_t* src,
                                                 int64_t row_stride, int valid, int lane) {
 #pragma unroll 1
-  for (int x = lane; x < 128 * 8; x += 32) {
+  for (int x = lane; x < kRowsT * 8; x += 32) {
     const int r = x >> 3, c = x & 7;
     const bool ok = r < valid;  // a missing row reads nothing, from a valid address
     cp_async16(panel + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + r * row_stride + 16 * c : src,
                ok);
   }
 }
+template <int kRowsT>
 __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* src,
                                                int64_t row_stride, int valid, int lane) {
 #pragma unroll 1
-  for (int x = lane; x < 128 * 4; x += 32) {
+  for (int x = lane; x < kRowsT * 4; x += 32) {
     const int r = x >> 2, c = x & 3;
     const bool ok = r < valid;
     cp_async16(panel + r * 64 + ((c ^ ((r >> 1) & 3)) << 4), ok ? src + r * row_stride + 16 * c : src,
@@ -263,18 +295,17 @@ __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* sr
   }
 }
 
-// V tile [128 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][128 key slots] (SW128),
-// by one of the two transposer warps (tw = 0, 1). The key slots are relabelled so that P's
-// accumulator registers are the A fragment as they stand: within each 32-key k-step, slot
-// 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for the second
-// 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are keys
-// base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2).
-// With ldmatrix.trans / stmatrix one x4 instruction moves 512 bytes (a 32-bit access 128),
-// and the 16 loads of a thread go out in two batches of 8. (The first version, 32-bit loads,
-// byte permutes and 32-bit stores in 16 dependent rounds per tile, was the kernel's wall:
-// 1.01x the bf16 time against 0.79x with this one, H200 8k x 64 heads.) Warp tw takes dims
-// 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for all 128 keys: 16 instructions of each
-// kind per thread and tile, 64 byte permutes.
+// V tile [160 keys][128 dims] (SW128, as loaded) -> V^T [128 dims][160 key slots] (two SW128
+// panels of 128 slots), by one of the two transposer warps (tw = 0, 1). The key slots are
+// relabelled so that P's accumulator registers are the A fragment as they stand: within each 32-key
+// k-step, slot 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for
+// the second 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are
+// keys base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2). With ldmatrix.trans / stmatrix
+// one x4 instruction moves 512 bytes (a 32-bit access 128), and the 16 loads of a thread go out in
+// two batches of 8. (The first version, 32-bit loads, byte permutes and 32-bit stores in 16
+// dependent rounds per tile, was the kernel's wall: 1.01x the bf16 time against 0.79x with this
+// one, H200 8k x 64 heads.) Warp tw takes dims 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for
+// all 160 keys: 20 instructions of each kind per thread and tile, 80 byte permutes.
 //   Load n (word group wq = n >> 1, chunks c0 = 4 tw + 2 (n & 1), c0 + 1): four 8x8 b16
 //   matrices, keys 16 wq + {0..7, 8..15} of chunk c0, then the same of chunk c0 + 1 (lane l
 //   gives row l & 7 of matrix l >> 3). With .trans, lane (p = l >> 2, t = l & 3) receives of
@@ -301,6 +332,7 @@ __device__ __forceinline__ void stsm4(uint32_t addr, uint32_t a, uint32_t b, uin
 }
 constexpr int kLdsmBatch = 8;
 __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, int lane) {
+  constexpr int kWordGroups = kBlockN / 16;  // 16 keys each; 8 and 9 in V^T's second panel
   const int q = lane & 7, m = lane >> 3, p = lane >> 2;
   // This lane's load row: key 16 wq + 8 (m & 1) + q of chunk c0 + (m >> 1); key & 7 = q.
   uint32_t ld[2];
@@ -319,14 +351,16 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
   }
   const uint32_t sel_x = p < 4 ? 0x6420u : 0x7531u, sel_y = sel_x ^ 0x1111u;
 #pragma unroll
-  for (int wq0 = 0; wq0 < 8; wq0 += kLdsmBatch / 2) {
+  for (int wq0 = 0; wq0 < kWordGroups; wq0 += kLdsmBatch / 2) {
     uint32_t r[kLdsmBatch][4];  // loads of (wq0, h = 0), (wq0, 1), (wq0 + 1, 0), ...
 #pragma unroll
-    for (int n = 0; n < kLdsmBatch; ++n) ldsm4_trans(ld[n & 1] + (wq0 + (n >> 1)) * 2048, r[n]);
+    for (int n = 0; n < kLdsmBatch; ++n)
+      if (wq0 + (n >> 1) < kWordGroups) ldsm4_trans(ld[n & 1] + (wq0 + (n >> 1)) * 2048, r[n]);
 #pragma unroll
     for (int n = 0; n < kLdsmBatch; ++n) {
       const int wq = wq0 + (n >> 1);
-      const uint32_t col = uint32_t((wq ^ e) << 4);
+      if (wq >= kWordGroups) continue;
+      const uint32_t col = uint32_t((wq >> 3) * kVtPanelBytes + (((wq & 7) ^ e) << 4));
       stsm4(st[n & 1] + col, __byte_perm(r[n][0], r[n][1], sel_x),
             __byte_perm(r[n][0], r[n][1], sel_y), __byte_perm(r[n][2], r[n][3], sel_x),
             __byte_perm(r[n][2], r[n][3], sel_y));
@@ -356,13 +390,13 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
 //   warp's 32 lanes with cp.async instead, zero-filling the missing rows. Each warp finds the
 //   item itself (list_item); the ticket reaches warps 1-3 through next_idx and named barrier 3.
 // Warpgroups 1 and 2, the consumers (216 registers): query rows 64 (w - 1) .. of the block.
-//   Per tile: S = Q K^T (6 wgmma m64n128k32: 4 over the nope panel, 2 over rope), mask on the
-//   tiles that cross the diagonal or the sequence end, online softmax in base 2 (lazy: the
-//   max moves only past a factor 2), P packed to e4m3 in registers, O += P V (4 wgmma with P
-//   from registers, V^T from smem). S of tile j is issued first, then O's rescale, then (once
-//   V^T of j - 1 is in) P.V of tile j - 1, under which the softmax of tile j runs. With
-//   pingpong the two consumers also take turns issuing (named barriers 1, 2), so one's softmax
-//   overlaps the other's GEMMs.
+//   Per tile of 160 keys: S = Q K^T (6 wgmma m64n160k32: 4 over the nope panel, 2 over rope),
+//   mask on the tiles that cross the diagonal or the sequence end, online softmax in base 2
+//   (lazy: the max moves only past a factor 2), P packed to e4m3 in registers, O += P V (5
+//   wgmma m64n128k32 with P from registers, V^T from smem). S of tile j is issued first, then O's
+//   rescale, then (once V^T of j - 1 is in) P.V of tile j - 1, under which the softmax of tile j
+//   runs. With pingpong the two consumers also take turns issuing (named barriers 1, 2), so one's
+//   softmax overlaps the other's GEMMs.
 //
 // mbarriers (phase parity of use u of a ring slot: u & 1; of q_full / q_empty: the round):
 //   q_full (1 arrival + bytes) / q_empty (256 consumer threads);
@@ -379,7 +413,7 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
 // relative, 2^-6 absolute at |x| >= 16: an error in p of at most 2^-7 relative where p < 2^-8,
 // 2^-9.5 elsewhere, all under the e4m3 rounding of P that follows), P is packed from the f16
 // values, and l adds per tile the f16x2 sums of 16 values <= 256 (2^-11 relative per add).
-template <class T, int kStages, bool kExp16>
+template <class T, bool kExp16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int head_group, int items, bool pingpong, bool lazy) {
@@ -424,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0;; ++r) {
       const int idx = round_index(r, counter, items, next_idx);
       const Item it = idx < items ? list_item(p, idx, head_group) : kNoItem;
-      const int num_tiles = it.block < 0 ? 0 : item_tiles(it, causal);
+      const int num_tiles = it.block < 0 ? 0 : item_tiles<kBlockN>(it, causal);
       const int head = it.head, k_begin = it.k_begin, m = it.m;
       if (warp == 0) {
         // The item and its Q once the consumers are done with the previous Q, then the K ring.
@@ -448,8 +482,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint8_t* src = static_cast<const uint8_t*>(p.q.ptr) +
                                int64_t(it.q_begin + q0) * p.q.row_stride +
                                int64_t(head) * p.q.head_stride;
-          warp_copy_sw128(q_nope_s, src, p.q.row_stride, q_valid, lane);
-          warp_copy_sw64(q_rope_s, src + kNope, p.q.row_stride, q_valid, lane);
+          warp_copy_sw128<kBlockM>(q_nope_s, src, p.q.row_stride, q_valid, lane);
+          warp_copy_sw64<kBlockM>(q_rope_s, src + kNope, p.q.row_stride, q_valid, lane);
           cp_async_commit_wait_all();
           fence_proxy_async();
           __syncwarp();
@@ -474,8 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint8_t* rope = static_cast<const uint8_t*>(p.k_rope.ptr) +
                                   int64_t(k_begin + key0) * p.k_rope.row_stride +
                                   int64_t(head) * p.k_rope.head_stride;
-            warp_copy_sw128(st + kKNopeOff, nope, p.k_nope.row_stride, rows, lane);
-            warp_copy_sw64(st + kKRopeOff, rope, p.k_rope.row_stride, rows, lane);
+            warp_copy_sw128<kBlockN>(st + kKNopeOff, nope, p.k_nope.row_stride, rows, lane);
+            warp_copy_sw64<kBlockN>(st + kKRopeOff, rope, p.k_rope.row_stride, rows, lane);
             cp_async_commit_wait_all();
             fence_proxy_async();
             __syncwarp();
@@ -503,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint8_t* src = static_cast<const uint8_t*>(p.v.ptr) +
                                  int64_t(k_begin + key0) * p.v.row_stride +
                                  int64_t(head) * p.v.head_stride;
-            warp_copy_sw128(dst, src, p.v.row_stride, rows, lane);
+            warp_copy_sw128<kBlockN>(dst, src, p.v.row_stride, rows, lane);
             cp_async_commit_wait_all();
             // Read back by the transposers through the generic proxy: the mbarrier's
             // release / acquire orders it, no proxy fence needed.
@@ -559,8 +593,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it.block < 0) return;  // no more items
     const int head = it.head, q_begin = it.q_begin, n = it.n, m = it.m;
     const int q0 = it.block * kBlockM;
-    const int num_tiles = item_tiles(it, causal);
-    const int my_tiles = warpgroup_tiles(it, cw, causal);
+    const int num_tiles = item_tiles<kBlockN>(it, causal);
+    const int my_tiles = warpgroup_tiles<kBlockN>(it, cw, causal);
     const int wg_first = q0 + 64 * cw;
     const int min_visible = key_limit(wg_first, n, m, causal);  // fewest keys any row sees
     const int row0 = wg_first + 16 * warp + g;  // this thread's rows: row0, row0 + 8
@@ -572,9 +606,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    float sc[64];
-    uint32_t ph[kExp16 ? 32 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
-    uint32_t pa[4][4];
+    constexpr int kBlocks = kBlockN / 8;  // 8-key column blocks of S
+    float sc[kAcc];
+    uint32_t ph[kExp16 ? kBlockN / 4 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
+    uint32_t pa[kSteps][4];
     float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
     float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
     float corr[2] = {1.f, 1.f};
@@ -594,7 +629,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto issue_pv = [&](int j) {
       const uint32_t vt = ring_lo + slot(j) * (kStageBytes >> 4) + (kVtOff >> 4);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc(vt + 2 * kk, kDescHi128));
+      for (int kk = 0; kk < kSteps; ++kk)
+        wgmma_e4m3_rs(o, pa[kk],
+                      desc(vt + (kk >> 2) * (kVtPanelBytes >> 4) + 2 * (kk & 3), kDescHi128));
       wgmma_commit();
     };
     // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
@@ -603,25 +640,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int key0 = j * kBlockN;
       if (key0 + kBlockN > min_visible) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
+        for (int i = 0; i < kBlocks; ++i)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             if (key0 + 8 * i + 2 * t + (e & 1) >= limit[e >> 1]) sc[4 * i + e] = -INFINITY;
       }
-      // Row maxima as balanced trees (5 levels, not a chain of 16 dependent fmaxf), both rows
+      // Row maxima as balanced trees (not a chain of 40 dependent fmaxf), both rows
       // before their shuffles so that the two rows' latencies overlap.
       float mx[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m[16];
+        float m[kBlocks];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) m[i] = fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], m[i + 8]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) m[i] = fmaxf(m[i], m[i + 4]);
-        m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
-        mx[h] = fmaxf(row_max[h], m[0]);
+        for (int i = 0; i < kBlocks; ++i) m[i] = fmaxf(sc[4 * i + 2 * h], sc[4 * i + 2 * h + 1]);
+        mx[h] = fmaxf(row_max[h], tree_max<kBlocks>(m));
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
@@ -641,9 +673,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float off8 = p_exp - off;
         float sum = 0.f;
         if constexpr (kExp16) {
-          uint32_t sum2[2] = {0, 0};  // two chains of 8 adds instead of one of 16
+          uint32_t sum2[2] = {0, 0};  // two chains of adds instead of one
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < kBlocks; ++i) {
             const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
                                                     fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
             ph[2 * i + h] = e;
@@ -651,9 +683,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
         } else {
-          float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 8 adds instead of one of 32
+          float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of adds instead of one
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < kBlocks; ++i) {
             sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
             sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
             part[(2 * i) & 3] += sc[4 * i + 2 * h];
@@ -670,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto pack_p = [&] {
       if constexpr (kExp16) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+        for (int kk = 0; kk < kSteps; ++kk) {
           const uint32_t* q = ph + 8 * kk;
           pa[kk][0] = e4m3x4_f16(q[0], q[2]);
           pa[kk][1] = e4m3x4_f16(q[1], q[3]);
@@ -683,7 +715,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     // Ping-pong (prefill_common::Turns): the consumers take turns issuing their MMAs.
-    const Turns turns(pingpong, warpgroup_tiles(it, 0, causal), warpgroup_tiles(it, 1, causal), cw);
+    const Turns turns(pingpong, warpgroup_tiles<kBlockN>(it, 0, causal),
+                      warpgroup_tiles<kBlockN>(it, 1, causal), cw);
     turns.open();
 
     // Done with Q (and the item) once the warpgroup's last S has completed: the producer then
@@ -755,10 +788,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- building-block probe ----------------------------------------------------------------
-// One CTA of 128 threads, no pipeline: q [64, 192], k [128, 192] and v [128, 128] (dense e4m3
+// One CTA of 128 threads, no pipeline: q [64, 192], k [160, 192] and v [160, 128] (dense e4m3
 // rows) go through the partial-tile copies into the kernel's smem layouts (warps 0, 1, 2),
 // warps 0-1 transpose V as the producer does, then one warpgroup computes s_out = q k^T
-// [64, 128] fp32 (both panels' descriptors, the accumulator layout) and o_out = e4m3(s_out) v
+// [64, 160] fp32 (both panels' descriptors, the accumulator layout) and o_out = e4m3(s_out) v
 // [64, 128] fp32 (the relabelled P fragment against V^T). For the tests' diagnosis of a
 // layout mistake apart from the pipeline.
 __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q, const uint8_t* k,
@@ -770,13 +803,13 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   const uint32_t q_nope_s = base, q_rope_s = base + kQNopeBytes, st = base + kQBytes;
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid & 31;
   if (warp == 0) {
-    warp_copy_sw128(q_nope_s, q, 192, 64, lane);
-    warp_copy_sw64(q_rope_s, q + kNope, 192, 64, lane);
+    warp_copy_sw128<kBlockM>(q_nope_s, q, 192, 64, lane);
+    warp_copy_sw64<kBlockM>(q_rope_s, q + kNope, 192, 64, lane);
   } else if (warp == 1) {
-    warp_copy_sw128(st + kKNopeOff, k, 192, 128, lane);
-    warp_copy_sw64(st + kKRopeOff, k + kNope, 192, 128, lane);
+    warp_copy_sw128<kBlockN>(st + kKNopeOff, k, 192, kBlockN, lane);
+    warp_copy_sw64<kBlockN>(st + kKRopeOff, k + kNope, 192, kBlockN, lane);
   } else if (warp == 2) {
-    warp_copy_sw128(st + kVRawOff, v, 128, 128, lane);
+    warp_copy_sw128<kBlockN>(st + kVRawOff, v, 128, kBlockN, lane);
   }
   cp_async_commit_wait_all();
   __syncthreads();
@@ -786,7 +819,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   fence_proxy_async();
   __syncthreads();
 
-  float sc[64];
+  float sc[kAcc];
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
@@ -799,10 +832,11 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   fence_regs(sc);
   const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s_out[(r + 8 * (e >> 1)) * 128 + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
-  uint32_t pa[4][4];
+    for (int e = 0; e < 4; ++e)
+      s_out[(r + 8 * (e >> 1)) * kBlockN + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
+  uint32_t pa[kSteps][4];
   pack_p_e4m3(sc, pa);
   float o[64];
 #pragma unroll
@@ -810,7 +844,8 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   fence_regs(o);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], desc_sw128(st + kVtOff + 32 * kk));
+  for (int kk = 0; kk < kSteps; ++kk)
+    wgmma_e4m3_rs(o, pa[kk], desc_sw128(st + kVtOff + (kk >> 2) * kVtPanelBytes + 32 * (kk & 3)));
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(o);
@@ -827,20 +862,20 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 bool fp8_kernel_runs_on(int device) {
   static std::atomic<int> answers[kMaxSm90Devices] = {};
   return sm90a_kernel_runs_on(
-      device, reinterpret_cast<const void*>(prefill_fp8_sm90_kernel<bf16, 2, false>), answers);
+      device, reinterpret_cast<const void*>(prefill_fp8_sm90_kernel<bf16, false>), answers);
 }
 
 // [rows][heads][width] bytes of `o` starting `col` bytes into each row, a box of width x 1 x
-// 128 rows with the swizzle that matches width (128: SW128, 64: SW64). Heads extent 1 for a
-// shared operand. The rows extent is 2^31: the kernel only asks for boxes inside a sequence.
-void encode_map(CUtensorMap* map, const Operand& o, int col, int width, int heads,
+// box_rows rows with the swizzle that matches width (128: SW128, 64: SW64). Heads extent 1 for
+// a shared operand. The rows extent is 2^31: the kernel only asks for boxes inside a sequence.
+void encode_map(CUtensorMap* map, const Operand& o, int col, int width, int heads, int box_rows,
                 const char* name) {
   const bool shared = o.head_stride == 0;
   const cuuint64_t dims[3] = {cuuint64_t(width), cuuint64_t(shared ? 1 : heads),
                               cuuint64_t(1) << 31};
   const cuuint64_t strides[2] = {cuuint64_t(shared ? o.row_stride : o.head_stride),
                                  cuuint64_t(o.row_stride)};
-  const cuuint32_t box[3] = {cuuint32_t(width), 1, cuuint32_t(kBlockN)};
+  const cuuint32_t box[3] = {cuuint32_t(width), 1, cuuint32_t(box_rows)};
   const cuuint32_t unit[3] = {1, 1, 1};
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   KMLA_CHECK(encode != nullptr, "prefill fp8: the driver has no cuTensorMapEncodeTiled");
@@ -867,15 +902,13 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
                                   cudaStream_t stream) {
   KMLA_CHECK(opt.head_group >= 0 && opt.head_group <= 128,
              "prefill fp8: head_group must be in [0, 128], got ", opt.head_group);
-  KMLA_CHECK(opt.stages == 2 || opt.stages == 3, "prefill fp8: stages must be 2 or 3, got ",
-             opt.stages);
   Fp8Maps maps;
   std::memset(&maps, 0, sizeof maps);
-  encode_map(&maps.q_nope, p.q, 0, kNope, p.heads, "q");
-  encode_map(&maps.q_rope, p.q, kNope, kRope, p.heads, "q (rope part)");
-  encode_map(&maps.k_nope, p.k_nope, 0, kNope, p.heads, "k_nope");
-  encode_map(&maps.k_rope, p.k_rope, 0, kRope, p.heads, "k_rope");
-  encode_map(&maps.v, p.v, 0, kVDim, p.heads, "v");
+  encode_map(&maps.q_nope, p.q, 0, kNope, p.heads, kBlockM, "q");
+  encode_map(&maps.q_rope, p.q, kNope, kRope, p.heads, kBlockM, "q (rope part)");
+  encode_map(&maps.k_nope, p.k_nope, 0, kNope, p.heads, kBlockN, "k_nope");
+  encode_map(&maps.k_rope, p.k_rope, 0, kRope, p.heads, kBlockN, "k_rope");
+  encode_map(&maps.v, p.v, 0, kVDim, p.heads, kBlockN, "v");
   // The item list (prefill_sm90_common.cuh) on one CTA per item, or with a work counter on
   // persistent CTAs (one per SM unless opt.ctas says otherwise).
   const int64_t items = prefill_sm90_compact_items(p);
@@ -883,15 +916,11 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   if (ctas == 0) return;  // no query block in the batch
   const int head_group = std::min(opt.head_group, p.heads);
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = opt.exp16 ? (opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3, true>
-                                                : prefill_fp8_sm90_kernel<T, 2, true>)
-                             : (opt.stages == 3 ? prefill_fp8_sm90_kernel<T, 3, false>
-                                                : prefill_fp8_sm90_kernel<T, 2, false>);
-    const int smem = smem_alloc(opt.stages);
+    auto* kernel = opt.exp16 ? prefill_fp8_sm90_kernel<T, true> : prefill_fp8_sm90_kernel<T, false>;
     KMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<dim3(unsigned(ctas)), kThreads, smem, stream>>>(p, maps, head_group, int(items),
-                                                             opt.pingpong, opt.lazy_rescale);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    kernel<<<dim3(unsigned(ctas)), kThreads, kSmemBytes, stream>>>(p, maps, head_group, int(items),
+                                                                   opt.pingpong, opt.lazy_rescale);
     KMLA_LAUNCH_CHECK();
   });
 }

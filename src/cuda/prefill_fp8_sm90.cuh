@@ -9,9 +9,8 @@ namespace kmla::cuda {
 
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
-// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N,
-// KMLA_PREFILL_FP8_STAGES=2|3, KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1,
-// KMLA_PREFILL_FP8_CTAS=N (-1, 0 or positive).
+// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N, KMLA_PREFILL_FP8_EXP16=0|1,
+// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_CTAS=N (-1, 0 or positive).
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -19,8 +18,6 @@ struct Fp8PrefillOptions {
   // CTA order: heads in groups of this many, the longest query blocks of a group first
   // (0: all blocks of a head, then the next head).
   int head_group = 8;
-  // Depth of the K, raw V and V^T rings: 2 (136 KiB of shared memory) or 3 (192 KiB).
-  int stages = 2;
   // The softmax's exponentials in f16x2 (half the MUFU work; P is rounded to e4m3 anyway).
   bool exp16 = false;
   // Rescale O only when a row's max rose by more than a factor 2 (base-2 units 1): P is then
@@ -46,9 +43,9 @@ void prefill_attention_fp8(const PrefillParams& p, cudaStream_t stream,
                            const Fp8PrefillOptions& opt);
 
 // Building-block probe for tests (one CTA, no pipeline; needs an sm_90 GPU): q [64, 192],
-// k [128, 192], v [128, 128] dense e4m3 rows (device); writes s_out = q k^T [64, 128] and
-// o_out = e4m3(s_out) v [64, 128], fp32, computed by the kernel's smem layouts, descriptors,
-// V transpose and P fragment packing.
+// k [160, 192], v [160, 128] dense e4m3 rows (device; one key tile); writes s_out = q k^T
+// [64, 160] and o_out = e4m3(s_out) v [64, 128], fp32, computed by the kernel's smem
+// layouts, descriptors, V transpose and P fragment packing.
 void prefill_fp8_probe(const void* q, const void* k, const void* v, float* s_out, float* o_out,
                        cudaStream_t stream);
 

@@ -16,7 +16,7 @@
 namespace kmla::cuda::prefill_common {
 
 constexpr int kRows = 128;  // query rows per item (both kernels' kBlockM)
-constexpr int kKeys = 128;  // keys per tile (both kernels' kBlockN)
+constexpr int kKeys = 128;  // keys per tile (the 16-bit kernel's; the fp8 kernel's 128 or 160)
 
 #if KMLA_SM90A
 
@@ -42,17 +42,20 @@ struct Item {
 };
 constexpr Item kNoItem{-1, 0, 0, 0, 0, 0};
 
-// Key tiles of an item (block >= 0): those with a key that some row of its block sees.
+// Key tiles (of kTileKeys keys) of an item (block >= 0): those with a key that some row of its
+// block sees.
+template <int kTileKeys = kKeys>
 __device__ __forceinline__ int item_tiles(const Item& it, bool causal) {
   const int last_row = min(it.block * kRows + kRows, it.n) - 1;
-  return (key_limit(last_row, it.n, it.m, causal) + kKeys - 1) / kKeys;
+  return (key_limit(last_row, it.n, it.m, causal) + kTileKeys - 1) / kTileKeys;
 }
 // Key tiles that some row of consumer warpgroup c (rows 64 c .. 64 c + 63 of the block)
 // sees: a prefix of the item's tiles (causal limits grow with the row); 0 past the sequence.
+template <int kTileKeys = kKeys>
 __device__ __forceinline__ int warpgroup_tiles(const Item& it, int c, bool causal) {
   const int first = it.block * kRows + 64 * c;
   if (first >= it.n) return 0;
-  return (key_limit(min(first + 63, it.n - 1), it.n, it.m, causal) + kKeys - 1) / kKeys;
+  return (key_limit(min(first + 63, it.n - 1), it.n, it.m, causal) + kTileKeys - 1) / kTileKeys;
 }
 
 // The 3-D grid's item for this CTA: blockIdx = (rank, head, sequence), gridDim.x the blocks
