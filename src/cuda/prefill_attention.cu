@@ -568,13 +568,12 @@ const Sm90Options& sm90_options_from_env() {
 
 // The fp8 kernel's variant for prefill_attention (read once per process):
 // KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N (0..128),
-// KMLA_PREFILL_FP8_EXP16=0|1, KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_CTAS=N (-1: one CTA
-// per item, N > 0: N CTAs on the work counter). Unset: the defaults.
+// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_CTAS=N (-1: one CTA per item, N > 0: N CTAs on
+// the work counter). Unset: the defaults.
 const Fp8PrefillOptions& fp8_options_from_env() {
   static const Fp8PrefillOptions opt = [] {
     Fp8PrefillOptions o;
     o.pingpong = env_switch("KMLA_PREFILL_FP8_PINGPONG", o.pingpong);
-    o.exp16 = env_switch("KMLA_PREFILL_FP8_EXP16", o.exp16);
     o.lazy_rescale = env_switch("KMLA_PREFILL_FP8_LAZY", o.lazy_rescale);
     o.ctas = env_int_in("KMLA_PREFILL_FP8_CTAS", o.ctas, -1, 1 << 20);
     o.head_group = env_int_in("KMLA_PREFILL_FP8_HEAD_GROUP", o.head_group, 0, 128);

@@ -224,42 +224,6 @@ __device__ __forceinline__ void pack_p_e4m3(const float (&sc)[kAcc], uint32_t (&
   }
 }
 
-// The f16x2 exponent path (kExp16): two fp32 exponents rounded to one f16x2 (a in the low
-// half), 2^x of both by one MUFU op, their f16x2 sum, and four f16 values as e4m3 codes.
-__device__ __forceinline__ uint32_t f16x2_from(float a, float b) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ uint32_t ex2_f16x2(uint32_t x) {
-  uint32_t r;
-  asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(x));
-  return r;
-}
-__device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ float sum_f16x2(uint32_t x) {
-  float r;
-  asm("{\n .reg .b16 lo, hi;\n .reg .f32 a, b;\n mov.b32 {lo, hi}, %1;\n"
-      " cvt.f32.f16 a, lo;\n cvt.f32.f16 b, hi;\n add.f32 %0, a, b;\n}\n"
-      : "=f"(r)
-      : "r"(x));
-  return r;
-}
-__device__ __forceinline__ uint32_t e4m3x4_f16(uint32_t lo_pair, uint32_t hi_pair) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n"
-      " cvt.rn.satfinite.e4m3x2.f16x2 lo, %1;\n"
-      " cvt.rn.satfinite.e4m3x2.f16x2 hi, %2;\n"
-      " mov.b32 %0, {lo, hi};\n}\n"
-      : "=r"(r)
-      : "r"(lo_pair), "r"(hi_pair));
-  return r;
-}
-
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
@@ -408,12 +372,7 @@ __device__ __forceinline__ void transpose_v(uint32_t vraw, uint32_t vt, int tw, 
 // arrives itself; warp 1's cp.async copies end at named barrier 4): compute-sanitizer's
 // racecheck does not follow a __syncwarp into one lane's mbarrier arrival.
 //
-// kExp16: the exponentials in f16x2 (one MUFU op per two scores instead of one per score, the
-// softmax's bottleneck pipe): the exponent fmaf(s, scale, 8 - max) is rounded to f16 (2^-11
-// relative, 2^-6 absolute at |x| >= 16: an error in p of at most 2^-7 relative where p < 2^-8,
-// 2^-9.5 elsewhere, all under the e4m3 rounding of P that follows), P is packed from the f16
-// values, and l adds per tile the f16x2 sums of 16 values <= 256 (2^-11 relative per add).
-template <class T, bool kExp16>
+template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_fp8_sm90_kernel(const PrefillParams p, const __grid_constant__ Fp8Maps maps,
                             int head_group, int items, bool pingpong, bool lazy) {
@@ -608,7 +567,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
     constexpr int kBlocks = kBlockN / 8;  // 8-key column blocks of S
     float sc[kAcc];
-    uint32_t ph[kExp16 ? kBlockN / 4 : 1];  // kExp16: 256 p as f16x2, pair (4i + 2h, +1) at 2i + h
     uint32_t pa[kSteps][4];
     float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
     float row_sum[2] = {0.f, 0.f};              // this thread's share of 256 l
@@ -671,49 +629,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         moved |= mx[h] != row_max[h];
         row_max[h] = mx[h];
         const float off8 = p_exp - off;
-        float sum = 0.f;
-        if constexpr (kExp16) {
-          uint32_t sum2[2] = {0, 0};  // two chains of adds instead of one
+        float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of adds instead of one
 #pragma unroll
-          for (int i = 0; i < kBlocks; ++i) {
-            const uint32_t e = ex2_f16x2(f16x2_from(fmaf(sc[4 * i + 2 * h], scale_log2, off8),
-                                                    fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8)));
-            ph[2 * i + h] = e;
-            sum2[i & 1] = add_f16x2(sum2[i & 1], e);
-          }
-          sum = sum_f16x2(sum2[0]) + sum_f16x2(sum2[1]);
-        } else {
-          float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of adds instead of one
-#pragma unroll
-          for (int i = 0; i < kBlocks; ++i) {
-            sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
-            sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
-            part[(2 * i) & 3] += sc[4 * i + 2 * h];
-            part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
-          }
-          sum = (part[0] + part[1]) + (part[2] + part[3]);
+        for (int i = 0; i < kBlocks; ++i) {
+          sc[4 * i + 2 * h] = fast_exp2(fmaf(sc[4 * i + 2 * h], scale_log2, off8));
+          sc[4 * i + 2 * h + 1] = fast_exp2(fmaf(sc[4 * i + 2 * h + 1], scale_log2, off8));
+          part[(2 * i) & 3] += sc[4 * i + 2 * h];
+          part[(2 * i + 1) & 3] += sc[4 * i + 2 * h + 1];
         }
-        row_sum[h] = row_sum[h] * corr[h] + sum;
+        row_sum[h] = row_sum[h] * corr[h] + ((part[0] + part[1]) + (part[2] + part[3]));
       }
       return __any_sync(0xffffffffu, moved);
     };
     auto rescale_o = [&] { scale_acc_rows(o, corr); };
-    // P as the A fragments of P.V (pack_p_e4m3; with kExp16 from the f16x2 values, same order).
-    auto pack_p = [&] {
-      if constexpr (kExp16) {
-#pragma unroll
-        for (int kk = 0; kk < kSteps; ++kk) {
-          const uint32_t* q = ph + 8 * kk;
-          pa[kk][0] = e4m3x4_f16(q[0], q[2]);
-          pa[kk][1] = e4m3x4_f16(q[1], q[3]);
-          pa[kk][2] = e4m3x4_f16(q[4], q[6]);
-          pa[kk][3] = e4m3x4_f16(q[5], q[7]);
-        }
-      } else {
-        pack_p_e4m3(sc, pa);
-      }
-    };
-
     // Ping-pong (prefill_common::Turns): the consumers take turns issuing their MMAs.
     const Turns turns(pingpong, warpgroup_tiles<kBlockN>(it, 0, causal),
                       warpgroup_tiles<kBlockN>(it, 1, causal), cw);
@@ -733,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       release(k_empty_a + 8 * slot(0));
       if (my_tiles == 1) mbar_arrive(q_empty_a);
       softmax(0);  // O is still zero: no rescale owed
-      pack_p();
+      pack_p_e4m3(sc, pa);
       bool owe = false;  // O still needs corr of the last softmax
       for (int j = 1; j < my_tiles; ++j) {
         const uint32_t s = slot(j), sp = slot(j - 1);
@@ -758,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<0>();  // P.V(j - 1) done: O and pa free
         fence_regs(o);
         release(vt_empty_a + 8 * sp);
-        pack_p();
+        pack_p_e4m3(sc, pa);
       }
       const int last = my_tiles - 1;
       mbar_wait(vt_full_a + 8 * slot(last), parity(last));
@@ -861,8 +789,8 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
 // Whether `device` runs the kernel (sm90a_kernel_runs_on, asked once per device).
 bool fp8_kernel_runs_on(int device) {
   static std::atomic<int> answers[kMaxSm90Devices] = {};
-  return sm90a_kernel_runs_on(
-      device, reinterpret_cast<const void*>(prefill_fp8_sm90_kernel<bf16, false>), answers);
+  return sm90a_kernel_runs_on(device, reinterpret_cast<const void*>(prefill_fp8_sm90_kernel<bf16>),
+                              answers);
 }
 
 // [rows][heads][width] bytes of `o` starting `col` bytes into each row, a box of width x 1 x
@@ -916,7 +844,7 @@ void prefill_attention_fp8_launch(const PrefillParams& p, const Fp8PrefillOption
   if (ctas == 0) return;  // no query block in the batch
   const int head_group = std::min(opt.head_group, p.heads);
   dispatch_act(p.act, [&]<class T>() {
-    auto* kernel = opt.exp16 ? prefill_fp8_sm90_kernel<T, true> : prefill_fp8_sm90_kernel<T, false>;
+    auto* kernel = prefill_fp8_sm90_kernel<T>;
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     kernel<<<dim3(unsigned(ctas)), kThreads, kSmemBytes, stream>>>(p, maps, head_group, int(items),

@@ -9,8 +9,8 @@ namespace kmla::cuda {
 
 // Variants of the fp8 kernel, for tests and A/B timing with `kmla bench`. prefill_attention
 // uses the defaults unless the environment (read once per process) says otherwise:
-// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N, KMLA_PREFILL_FP8_EXP16=0|1,
-// KMLA_PREFILL_FP8_LAZY=0|1, KMLA_PREFILL_FP8_CTAS=N (-1, 0 or positive).
+// KMLA_PREFILL_FP8_PINGPONG=0|1, KMLA_PREFILL_FP8_HEAD_GROUP=N, KMLA_PREFILL_FP8_LAZY=0|1,
+// KMLA_PREFILL_FP8_CTAS=N (-1, 0 or positive).
 struct Fp8PrefillOptions {
   // The two consumer warpgroups take turns issuing their MMAs (named barriers), so that one
   // warpgroup's softmax runs while the other's GEMMs are on the tensor cores.
@@ -18,8 +18,6 @@ struct Fp8PrefillOptions {
   // CTA order: heads in groups of this many, the longest query blocks of a group first
   // (0: all blocks of a head, then the next head).
   int head_group = 8;
-  // The softmax's exponentials in f16x2 (half the MUFU work; P is rounded to e4m3 anyway).
-  bool exp16 = false;
   // Rescale O only when a row's max rose by more than a factor 2 (base-2 units 1): P is then
   // stored as 128 p with p <= 2 against the stale max, still <= 256 as e4m3. Skips the 64
   // multiplies and most of the rescale decisions on nearly every tile past the first few.
