@@ -265,8 +265,8 @@ __device__ __forceinline__ void warp_copy_sw64(uint32_t panel, const uint8_t* sr
 // k-step, slot 4t + b of the first 16 holds key 8 (b >> 1) + 2t + (b & 1), and likewise + 16 for
 // the second 16 (docs/prefill_sm90.md). So the 4 slots of one 32-bit V^T word w (t = w & 3) are
 // keys base + {2t, 2t + 1, 2t + 8, 2t + 9} with base = 16 (w >> 2). With ldmatrix.trans / stmatrix
-// one x4 instruction moves 512 bytes (a 32-bit access 128), and the 16 loads of a thread go out in
-// two batches of 8. (The first version, 32-bit loads, byte permutes and 32-bit stores in 16
+// one x4 instruction moves 512 bytes (a 32-bit access 128), and the 20 loads of a thread go out in
+// batches of 8, 8 and 4. (The first version, 32-bit loads, byte permutes and 32-bit stores in 16
 // dependent rounds per tile, was the kernel's wall: 1.01x the bf16 time against 0.79x with this
 // one, H200 8k x 64 heads.) Warp tw takes dims 64 tw .. 64 tw + 63 (chunks 4 tw .. 4 tw + 3) for
 // all 160 keys: 20 instructions of each kind per thread and tile, 80 byte permutes.
