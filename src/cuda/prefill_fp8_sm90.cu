@@ -42,6 +42,7 @@ constexpr int kThreads = 384;  // warpgroup 0 producer, 1 and 2 consumers
 // (H100, 2026-12-06, 12 runs each, alternated over three calls): 8k x 16 heads causal 376-390
 // us against 385-397 (medians 385.9 / 396.0, -2.6 %); 8k x 64 within its noise (medians 1506 /
 // 1501, each 1450-1571). 2 stages only: a third does not fit, and lost with 128-key tiles.
+// 192 keys spill even with the consumers at 232 registers (docs/prefill_sm90.md, round 5).
 constexpr int kBlockN = 160;
 constexpr int kStages = 2;  // depth of the K ring, the raw V ring and the V^T ring alike
 // Per consumer thread: S registers (m64n160 fp32), and the 32-key k-steps of P.V.

@@ -16,7 +16,7 @@
 namespace kmla::cuda::prefill_common {
 
 constexpr int kRows = 128;  // query rows per item (both kernels' kBlockM)
-constexpr int kKeys = 128;  // keys per tile (the 16-bit kernel's; the fp8 kernel's 128 or 160)
+constexpr int kKeys = 128;  // keys per tile of the 16-bit kernel (the fp8 kernel uses 160)
 
 #if KMLA_SM90A
 
