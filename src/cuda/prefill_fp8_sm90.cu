@@ -48,6 +48,7 @@ constexpr int kStages = 2;  // depth of the K ring, the raw V ring and the V^T r
 // Per consumer thread: S registers (m64n160 fp32), and the 32-key k-steps of P.V.
 [[maybe_unused]] constexpr int kAcc = kBlockN / 2;
 [[maybe_unused]] constexpr int kSteps = kBlockN / 32;
+[[maybe_unused]] constexpr int kBlocks = kBlockN / 8;  // 8-key column blocks of S
 
 // Shared memory, all from a 1024-byte-aligned base. An e4m3 element is one byte, so a
 // 128-dim row is exactly one 128-byte swizzle row ("SW128": 16-byte chunk c of row r at
@@ -70,7 +71,8 @@ constexpr int kVtPanelBytes = kVDim * 128;  // one SW128 panel of V^T: 128 dims 
 constexpr int kKRopeOff = kBlockN * 128;                   // 20480
 constexpr int kVRawOff = kKRopeOff + kBlockN * 64;         // 30720
 constexpr int kVtOff = kVRawOff + kBlockN * 128;           // 51200
-constexpr int kStageBytes = kVtOff + 2 * kVtPanelBytes;    // 83968
+constexpr int kVtPanels = (kBlockN + 127) / 128;           // 2: keys 128-159 in the second
+constexpr int kStageBytes = kVtOff + kVtPanels * kVtPanelBytes;  // 83968
 [[maybe_unused]] constexpr int kKBytes = kVRawOff;         // K nope + rope: 30720
 [[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;  // 20480
 constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
@@ -566,7 +568,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    constexpr int kBlocks = kBlockN / 8;  // 8-key column blocks of S
     float sc[kAcc];
     uint32_t pa[kSteps][4];
     float row_max[2] = {-INFINITY, -INFINITY};  // raw score units
@@ -761,7 +762,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   fence_regs(sc);
   const int g = lane >> 2, t = lane & 3, r = 16 * warp + g;
 #pragma unroll
-  for (int i = 0; i < kBlockN / 8; ++i)
+  for (int i = 0; i < kBlocks; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       s_out[(r + 8 * (e >> 1)) * kBlockN + 8 * i + 2 * t + (e & 1)] = sc[4 * i + e];
