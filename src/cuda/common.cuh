@@ -89,6 +89,19 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The largest of m[0 .. W - 1] as a balanced tree (ceil(log2 W) levels, not a chain of W - 1).
+template <int W>
+__device__ __forceinline__ float tree_max(float* m) {
+  if constexpr (W == 1) {
+    return m[0];
+  } else {
+    constexpr int h = (W + 1) / 2;
+#pragma unroll
+    for (int i = 0; i < W - h; ++i) m[i] = fmaxf(m[i], m[i + h]);
+    return tree_max<h>(m);
+  }
+}
+
 // One online-softmax step (base 2) of a thread's two rows over NB column blocks of the
 // mma accumulator layout (v[4i + 2h], v[4i + 2h + 1]: row h of block i; masked scores -inf),
 // as both 16-bit prefill kernels run it: the rows' new maxima (over the 4 lanes of a row),

@@ -435,6 +435,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   // ---- per-thread state: rows lo = 16 warp + g and hi = lo + 8 of the tile ----
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;
   const int count_lo = key_count(row0 + row_lo), count_hi = key_count(row0 + row_hi);
+  const int count_first = key_count(row0);
   float m_lo = kNegInf, m_hi = kNegInf;  // running max of scaled scores (log2 domain)
   float l_lo = 0.0f, l_hi = 0.0f;        // this warpgroup's partial row sums
   float o[128];
@@ -470,34 +471,47 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       __syncthreads();
     }
     if (flags.profile == 2) continue;
+    // Every key of the tile loaded (TMA's flag covers the split's end and bad blocks too) and
+    // visible to the tile's first row, which sees the fewest (a causal row later in the
+    // request sees more): the softmax then masks nothing.
+    const bool whole = tma && !fix_s[stage] && key0 + (tile + 1) * kKeys <= count_first;
 
     // ---- S (half per warpgroup, or all of it on warpgroup 0), online softmax in base 2 ----
     float corr_lo = 1.0f, corr_hi = 1.0f;  // O rescale factors of my two rows
     // softmax<NB>: this thread's NB blocks of 8 keys from key `koff` of the tile; masked keys
     // -inf. The tile max of a row comes from the other warpgroup's half through red_max
     // (NB = 4) or is complete already (NB = 8). Leaves p in sv, updates m and l, returns
-    // whether a row's max moved.
-    auto softmax = [&]<int NB>(float (&sv)[4 * NB], int koff) -> bool {
-      const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
-      const uint8_t* ok = key_ok_s + stage * kKeys + koff + 2 * t;
-      float mx_lo = kNegInf, mx_hi = kNegInf;
+    // whether a row's max moved. `whole`: every key of the tile is loaded and visible to every
+    // row of the request in the tile, so nothing is masked (rows past the request see zeros
+    // of Q: their p are never written out). The maxima are taken over the raw scores and then
+    // scaled (the scale is positive, so that is the same number), and p = 2^(s scale - m) in
+    // one fma: the scale multiply of every score is gone from the chain.
+    auto softmax = [&]<int NB>(float(&sv)[4 * NB], int koff, bool whole) -> bool {
+      if (!whole) {
+        const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
+        const uint8_t* ok = key_ok_s + stage * kKeys + koff + 2 * t;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 8 * i + (e & 1);
+            const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
+            sv[4 * i + e] = visible ? sv[4 * i + e] : kNegInf;
+          }
+        }
+      }
+      float bm_lo[NB], bm_hi[NB];  // block maxima, reduced as balanced trees
 #pragma unroll
       for (int i = 0; i < NB; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * i + (e & 1);
-          const bool visible = ok[col] && kpos + col < (e < 2 ? count_lo : count_hi);
-          sv[4 * i + e] = visible ? sv[4 * i + e] * a.score_scale_log2 : kNegInf;
-        }
-        mx_lo = fmaxf(mx_lo, fmaxf(sv[4 * i], sv[4 * i + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(sv[4 * i + 2], sv[4 * i + 3]));
+        bm_lo[i] = fmaxf(sv[4 * i], sv[4 * i + 1]);
+        bm_hi[i] = fmaxf(sv[4 * i + 2], sv[4 * i + 3]);
       }
+      float mx_lo = tree_max<NB>(bm_lo), mx_hi = tree_max<NB>(bm_hi);
 #pragma unroll
       for (int x = 1; x <= 2; x <<= 1) {
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
       }
-      float tmax_lo = mx_lo, tmax_hi = mx_hi;
       if constexpr (NB == 4) {
         if (t == 0) {
           red_max[wg * kRows + row_lo] = mx_lo;
@@ -505,10 +519,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         }
         named_barrier(1, kThreads);
         // Both warpgroups combine the two halves in the same order: the same m, bit for bit.
-        tmax_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
-        tmax_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
+        mx_lo = fmaxf(red_max[row_lo], red_max[kRows + row_lo]);
+        mx_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
       }
-      const float mnew_lo = fmaxf(m_lo, tmax_lo), mnew_hi = fmaxf(m_hi, tmax_hi);
+      const float scale = a.score_scale_log2;
+      const float mnew_lo = fmaxf(m_lo, mx_lo * scale), mnew_hi = fmaxf(m_hi, mx_hi * scale);
       const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
       // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
       const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
@@ -518,10 +533,10 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
       for (int i = 0; i < NB; ++i) {
-        sv[4 * i] = fast_exp2(sv[4 * i] - mref_lo);
-        sv[4 * i + 1] = fast_exp2(sv[4 * i + 1] - mref_lo);
-        sv[4 * i + 2] = fast_exp2(sv[4 * i + 2] - mref_hi);
-        sv[4 * i + 3] = fast_exp2(sv[4 * i + 3] - mref_hi);
+        sv[4 * i] = fast_exp2(fmaf(sv[4 * i], scale, -mref_lo));
+        sv[4 * i + 1] = fast_exp2(fmaf(sv[4 * i + 1], scale, -mref_lo));
+        sv[4 * i + 2] = fast_exp2(fmaf(sv[4 * i + 2], scale, -mref_hi));
+        sv[4 * i + 3] = fast_exp2(fmaf(sv[4 * i + 3], scale, -mref_hi));
         sum_lo += sv[4 * i] + sv[4 * i + 1];
         sum_hi += sv[4 * i + 2] + sv[4 * i + 3];
       }
@@ -540,13 +555,13 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       issue_s<T>(sh, q_s, kt, wg);
       wgmma_wait<0>();
       fence_regs(sh);
-      moved = softmax.template operator()<4>(sh, kHalfKeys * wg);
+      moved = softmax.template operator()<4>(sh, kHalfKeys * wg, whole);
     } else if (wg == 0) {
       wgmma_fence();
       issue_s_wide<T>(s, q_s, kt);
       wgmma_wait<0>();
       fence_regs(s);
-      moved = softmax.template operator()<8>(s, 0);
+      moved = softmax.template operator()<8>(s, 0, whole);
       if (t == 0) {  // the rescale factors, for warpgroup 1 (red_max is free in this form)
         red_max[row_lo] = corr_lo;
         red_max[row_hi] = corr_hi;

@@ -188,19 +188,6 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const uint32_t (&a
 #undef KMLA_FP8_D80
 #undef KMLA_FP8_D64
 
-// The largest of m[0 .. W - 1] as a balanced tree (ceil(log2 W) levels, not a chain of W - 1).
-template <int W>
-__device__ __forceinline__ float tree_max(float* m) {
-  if constexpr (W == 1) {
-    return m[0];
-  } else {
-    constexpr int h = (W + 1) / 2;
-#pragma unroll
-    for (int i = 0; i < W - h; ++i) m[i] = fmaxf(m[i], m[i + h]);
-    return tree_max<h>(m);
-  }
-}
-
 // Four fp32 values as e4m3 codes (round to nearest even, saturating), b0 in the low byte.
 __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
   uint32_t r;
