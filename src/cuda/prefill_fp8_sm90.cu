@@ -73,6 +73,9 @@ constexpr int kVRawOff = kKRopeOff + kBlockN * 64;         // 30720
 constexpr int kVtOff = kVRawOff + kBlockN * 128;           // 51200
 constexpr int kVtPanels = (kBlockN + 127) / 128;           // 2: keys 128-159 in the second
 constexpr int kStageBytes = kVtOff + kVtPanels * kVtPanelBytes;  // 83968
+// Byte offset in V^T of the 32-key k-step kk of P.V: 32 bytes a step inside a panel, keys
+// 128 and up in the next panel (the kernel's descriptors and the probe's alike).
+constexpr int vt_step_bytes(int kk) { return (kk >> 2) * kVtPanelBytes + 32 * (kk & 3); }
 [[maybe_unused]] constexpr int kKBytes = kVRawOff;         // K nope + rope: 30720
 [[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;  // 20480
 constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
@@ -577,8 +580,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t vt = ring_lo + slot(j) * (kStageBytes >> 4) + (kVtOff >> 4);
 #pragma unroll
       for (int kk = 0; kk < kSteps; ++kk)
-        wgmma_e4m3_rs(o, pa[kk],
-                      desc(vt + (kk >> 2) * (kVtPanelBytes >> 4) + 2 * (kk & 3), kDescHi128));
+        wgmma_e4m3_rs(o, pa[kk], desc(vt + (vt_step_bytes(kk) >> 4), kDescHi128));
       wgmma_commit();
     };
     // Mask + online softmax of tile j on sc; p is kept as 2^p_exp p (the + p_exp in the
@@ -762,7 +764,7 @@ __global__ void __launch_bounds__(128) prefill_fp8_probe_kernel(const uint8_t* q
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk)
-    wgmma_e4m3_rs(o, pa[kk], desc_sw128(st + kVtOff + (kk >> 2) * kVtPanelBytes + 32 * (kk & 3)));
+    wgmma_e4m3_rs(o, pa[kk], desc_sw128(st + kVtOff + vt_step_bytes(kk)));
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(o);
