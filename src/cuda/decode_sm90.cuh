@@ -45,14 +45,16 @@ struct DecodeSm90Options {
   bool wide_s = true;
   bool issue_wg1 = true;
   bool early_issue = true;
+  bool one_copy = true;  // block sizes that 64 divides: a tile in one 4-D tensor copy
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
 
 // How many keys per bulk tensor copy a launch for `p` under the current options would use:
 // 8-64, or 0 for cp.async (TMA off, a block size not a multiple of 8, or a cache geometry
-// the driver cannot encode; all compute the same). For tests and diagnostics.
-int decode_sm90_tma_keys(const DecodeParams& p);
+// the driver cannot encode; all compute the same); *one_copy (if given): whether a 64-key
+// group is one 4-D copy per tile (DecodeSm90Options::one_copy). For tests and diagnostics.
+int decode_sm90_tma_keys(const DecodeParams& p, bool* one_copy = nullptr);
 
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles
 // (per-request (ceil(max_rows / 64), num_splits, num_requests), balanced (num_workers)).

@@ -75,7 +75,9 @@ constexpr int kVtPanels = (kBlockN + 127) / 128;           // 2: keys 128-159 in
 constexpr int kStageBytes = kVtOff + kVtPanels * kVtPanelBytes;  // 83968
 // Byte offset in V^T of the 32-key k-step kk of P.V: 32 bytes a step inside a panel, keys
 // 128 and up in the next panel (the kernel's descriptors and the probe's alike).
-constexpr int vt_step_bytes(int kk) { return (kk >> 2) * kVtPanelBytes + 32 * (kk & 3); }
+[[maybe_unused]] constexpr int vt_step_bytes(int kk) {
+  return (kk >> 2) * kVtPanelBytes + 32 * (kk & 3);
+}
 [[maybe_unused]] constexpr int kKBytes = kVRawOff;         // K nope + rope: 30720
 [[maybe_unused]] constexpr int kVBytes = kBlockN * kVDim;  // 20480
 constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;

@@ -185,6 +185,17 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
       : "memory");
 }
 
+// A 4-D box under an L2 cache policy: coordinates c0 (innermost) .. c3.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                            int c3, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)),
+      "l"(policy)
+      : "memory");
+}
+
 // ---- wgmma matrix descriptors ---------------------------------------------------------
 // PTX "matrix descriptor": bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
 // >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle mode (1 = 128 B). The base

@@ -45,6 +45,7 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
   if (expect_sm90()) {
     variants.push_back(
         {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
+    variants.push_back({"tma, a copy per panel", {.one_copy = false}});
     variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
     variants.push_back(
         {"cp.async, wide S, no rescale skip", {.skip_rescale = false, .tma = false}});
@@ -59,7 +60,9 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
       int want = 0;  // the largest of 64, 32, 16, 8 keys dividing the block size
       for (int g = 64; v.opt.tma && g >= 8 && want == 0; g /= 2)
         if (p.cache.block_size % g == 0) want = g;
-      EXPECT_EQ(decode_sm90_tma_keys(p), want) << v.name;
+      bool one_copy = false;
+      EXPECT_EQ(decode_sm90_tma_keys(p, &one_copy), want) << v.name;
+      EXPECT_EQ(one_copy, want == 64 && v.opt.one_copy) << v.name;
     };
     run_case(c, tweaks, hooks);
   }
