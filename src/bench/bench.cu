@@ -388,6 +388,16 @@ Result run_decode(const Case& c, Context& ctx) {
   const cuda::DecodePlan plan =
       cuda::plan_decode(c.batch, c.heads, max_q, max_seq, ctx.portable, false, c.format);
   DeviceBuffer ws = device_alloc(plan.workspace_bytes);
+  // The balanced walk's starts, made on the host from the lengths as the layer and the
+  // DecodeAttention stage make them (uploaded once: every timed run has the same batch).
+  DeviceBuffer walk;
+  if (const size_t walk_bytes = cuda::decode_walk_table_bytes(plan); walk_bytes > 0) {
+    std::vector<std::byte> table(walk_bytes);
+    p.walk_key_tile = cuda::decode_walk_table(plan, c.heads, c.causal, c.format, c.batch,
+                                              seq_lens.data(), q_lens.data(), table.data());
+    walk = to_device(table, s);
+    p.walk_table = walk.data();
+  }
 
   // Across ranks: the partial spread to f32 (every row is this rank's, the identity map), the
   // NCCL all-gather of the partials and the LSE merge, all inside the timed run.

@@ -32,6 +32,10 @@ struct DecodeParams {
   void* out = nullptr;
   float* lse = nullptr;
   int* error_flag = nullptr;  // raised (kErrBadBlockId) for a block id outside the cache
+  // Balanced plans: the device copy of decode_walk_table's table for this batch and the key
+  // tile it returned, or nullptr (every CTA then finds its start from the lengths).
+  const void* walk_table = nullptr;
+  int walk_key_tile = 0;
 };
 
 // How the split kernel's CTAs share the work (src/cuda/decode_sched.cuh).
@@ -140,6 +144,19 @@ int64_t decode_balanced_workers(int64_t slots, int num_requests);
 // Workspace bytes `plan` needs for `num_requests` requests of `heads` heads (what
 // plan_decode stores in plan.workspace_bytes; for callers that edit a plan).
 size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads);
+
+// The balanced walk's starts (decode_sched.cuh, balanced_walk_table) for a batch planned as
+// `plan`, made on the host from its lengths (host arrays of num_requests): what every CTA of
+// the split kernel would otherwise find by loading all lengths and scanning them before its
+// first copy. decode_walk_table_bytes is 0 unless plan is balanced. decode_walk_table fills
+// `out` with that many bytes and returns the key tile the table is for (the kernel the current
+// device runs for `plan`); callers upload it with the lengths and pass its device copy and
+// that tile in DecodeParams::walk_table / walk_key_tile. A launch whose kernel has another
+// key tile ignores the table.
+size_t decode_walk_table_bytes(const DecodePlan& plan);
+int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheFormat format,
+                      int num_requests, const int32_t* seq_lens, const int32_t* query_lens,
+                      void* out);
 
 // Runs decode attention. `workspace` holds plan.workspace_bytes (256-byte aligned).
 // Never allocates or synchronizes.

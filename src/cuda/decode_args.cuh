@@ -58,6 +58,9 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
+  // balanced: the walk's starts made on the host for this kernel's tiles (decode_sched.cuh,
+  // WalkTableHead), or nullptr: every CTA finds its own from the lengths.
+  const void* walk_table;
   // balanced, launched cooperatively: the split kernel merges the cut pairs itself after a
   // grid-wide barrier and no combine runs (decode_combine.cuh, DecodePlan::fused_combine).
   bool fused_combine;

@@ -2476,6 +2476,48 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
   return workspace_layout(plan, num_requests, heads).bytes;
 }
 
+namespace {
+
+// The scheduler's fields of the split kernel's arguments (a.heads set): what the balanced
+// walk reads besides the lengths, on the device and in decode_walk_table alike.
+void set_sched_args(DecodeArgs& a, const DecodePlan& plan) {
+  const bool balanced = plan.schedule == DecodeSchedule::balanced;
+  a.max_rows = plan.max_query_len * a.heads;
+  a.balanced = balanced;
+  a.num_workers = plan.num_workers;
+  a.rows_per_cta = plan.rows_per_cta;
+  a.row_tiles = int(ceil_div(a.max_rows, plan.rows_per_cta));
+  a.sched_pair_keys = plan.sched_pair_keys;
+  a.sched_min_keys = plan.sched_min_keys;
+  a.sched_nosplit_keys = plan.sched_nosplit_keys;
+  a.pass_major = balanced && plan.pass_major;
+}
+
+}  // namespace
+
+size_t decode_walk_table_bytes(const DecodePlan& plan) {
+  return plan.schedule == DecodeSchedule::balanced ? walk_table_bytes(plan.num_workers) : 0;
+}
+
+int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheFormat format,
+                      int num_requests, const int32_t* seq_lens, const int32_t* query_lens,
+                      void* out) {
+  if (plan.schedule != DecodeSchedule::balanced) return 0;
+  DecodeParams p;  // what decode_sm90_supports reads
+  p.heads = heads;
+  p.cache.format = format;
+  const int key_tile = decode_sm90_supports(p, plan) ? kDecodeSm90Keys : kKeyTile;
+  DecodeArgs a{};  // the fields the walk reads (as decode_args sets them)
+  a.seq_lens = seq_lens;
+  a.query_lens = query_lens;
+  a.num_requests = num_requests;
+  a.heads = heads;
+  a.causal = causal;
+  set_sched_args(a, plan);
+  balanced_walk_table(a, plan.rows_per_cta, key_tile, plan.num_workers, out);
+  return key_tile;
+}
+
 // The launch depends only on the plan, batch.num_requests and heads (never on lengths read
 // from the device), so a captured graph replays with any lengths of the planned shape.
 // Callers (the tests do) may overwrite the schedule, plan.num_splits (1..1024),
@@ -2554,16 +2596,7 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
   a.num_splits = plan.num_splits;
   a.batch_invariant = plan.batch_invariant;
   a.direct_out = !balanced && plan.num_splits == 1 && !plan.batch_invariant;
-  a.max_rows = plan.max_query_len * p.heads;
-  const int rows = plan.rows_per_cta;
-  a.balanced = balanced;
-  a.num_workers = plan.num_workers;
-  a.rows_per_cta = rows;
-  a.row_tiles = int(ceil_div(a.max_rows, rows));
-  a.sched_pair_keys = plan.sched_pair_keys;
-  a.sched_min_keys = plan.sched_min_keys;
-  a.sched_nosplit_keys = plan.sched_nosplit_keys;
-  a.pass_major = balanced && plan.pass_major;
+  set_sched_args(a, plan);
   a.fused_combine = balanced && plan.fused_combine && !plan.batch_invariant;
   a.merge_rows = a.fused_combine ? std::max(env_int("KMLA_DECODE_MERGE_ROWS", 0), 0) : 0;
   return a;
@@ -2608,6 +2641,11 @@ DecodeArgs run_split(const DecodeParams& p, const DecodePlan& plan, void* worksp
   // More than 32 rows per request (16-bit cache) on sm_90a: the wgmma kernel (decode_sm90.cu),
   // same grid, same workspace, same combine.
   const bool sm90 = decode_sm90_supports(p, plan);
+  // The host's walk starts where they were made for this kernel's key tile.
+  // KMLA_DECODE_WALK_TABLE=0 (read once) ignores them (A/B runs).
+  static const bool use_table = env_int("KMLA_DECODE_WALK_TABLE", 1) != 0;
+  if (balanced && use_table && p.walk_key_tile == (sm90 ? kDecodeSm90Keys : kKeyTile))
+    a.walk_table = p.walk_table;
   dispatch_act(p.act, [&]<class T>() {
     if (sm90) {
       launch_decode_sm90(a, p.act, grid, stream);

@@ -15,10 +15,12 @@
 //     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major when
 //     every request with rows has the same number (>= 2) of row tiles, pass by pass (r0 t0,
 //     r1 t0, ..., r0 t1, r1 t1, ...).
-// Everything a worker computes comes from seq_lens / query_lens on the device and the
-// plan's constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
+// Everything a worker computes comes from seq_lens / query_lens on the device (or from the
+// walk table the host made from the same lengths and uploaded with them) and the plan's
+// constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/decode_args.cuh"
@@ -342,6 +344,71 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
   }
 }
 
+// ---- the walk's starts, made on the host --------------------------------------------------
+// Every caller plans a batch on the host from lengths it also uploads, so the host can do the
+// prologue's work (below) once per batch: the table holds the worker count, the list order and,
+// per CTA of the grid, the pair its walk starts at. A kernel given one (DecodeArgs::walk_table)
+// reads its entry instead of loading every length and scanning them: one load in place of a
+// chain of loads and barriers before its first copy.
+struct WalkTableHead {
+  int32_t rows = 0, key_tile = 0;  // the kernel tiles the table was made for
+  int32_t workers = 0;             // 0: no request has rows
+  int32_t pass_major = 0;          // the list in pass order (pass_order)
+  int64_t total = 0;               // units of the batch
+};
+struct WalkStart {  // the pair (request r, row tile `tile`) holding the share's first unit
+  int32_t r = 0, tile = 0;
+  int64_t off = 0;  // its first unit (in request order: request r's, tile 0)
+};
+inline size_t walk_table_bytes(int grid) {
+  return sizeof(WalkTableHead) + size_t(grid) * sizeof(WalkStart);
+}
+
+// Fills `out` (walk_table_bytes(grid) bytes) with what balanced_prologue finds for every
+// worker of a `grid`-CTA launch, a's seq_lens / query_lens pointing to host memory.
+inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int grid, void* out) {
+  auto* head = static_cast<WalkTableHead*>(out);
+  auto* starts = reinterpret_cast<WalkStart*>(head + 1);
+  const SchedUnits u = sched_units(a, key_tile);
+  int64_t total = 0, pairs = 0;
+  int fewest = 0x7fffffff, most = 0;
+  for (int r = 0; r < a.num_requests; ++r) {
+    total += request_units(a, rows, key_tile, u, r);
+    const int n = live_row_tiles(a, rows, r);
+    pairs += n;
+    if (n > 0) fewest = n < fewest ? n : fewest, most = n > most ? n : most;
+  }
+  *head = WalkTableHead{};
+  head->rows = rows;
+  head->key_tile = key_tile;
+  head->total = total;
+  for (int w = 0; w < grid; ++w) starts[w] = WalkStart{};
+  if (total == 0) return;
+  const int workers = balanced_workers(total, pairs, grid, u.min_worker);
+  const bool by_pass = a.pass_major && a.row_tiles > 1 && pass_order(a, fewest, most);
+  head->workers = workers;
+  head->pass_major = by_pass ? 1 : 0;
+  // One cursor over the list (requests, or pairs in pass order) for the ascending shares.
+  int r = 0, t = 0;
+  int64_t off = 0;
+  for (int w = 0; w < workers; ++w) {
+    const int64_t lo = share_begin(w, total, workers);
+    for (;;) {
+      const int64_t n =
+          by_pass ? pair_units(a, rows, key_tile, u, r, t) : request_units(a, rows, key_tile, u, r);
+      if (lo < off + n) break;
+      off += n;
+      if (!by_pass) {
+        ++r;
+      } else if (++r == a.num_requests) {
+        r = 0;
+        ++t;
+      }
+    }
+    starts[w] = WalkStart{r, t, off};
+  }
+}
+
 #ifdef __CUDACC__
 // The exclusive prefix sum of `mine` over the CTA's threads in thread order, and the CTA's
 // total. Every thread calls it (one barrier; blockDim a multiple of 32); warp_sum_s ([32])
@@ -390,9 +457,10 @@ __device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
   return make_int2(lo, hi);
 }
 
-// The balanced schedule's prologue: every thread sums the units (and counts the live pairs)
-// of a contiguous run of requests, a block-wide scan turns those into offsets (a second one
-// totals the pairs, for the worker count), and the thread whose run holds this worker's first
+// The balanced schedule's prologue. With a.walk_table (made by balanced_walk_table on the
+// host) thread 0 reads the worker's entry. Without one, every thread sums the units (and counts the
+// live pairs) of a contiguous run of requests, a block-wide scan turns those into offsets (a second
+// one totals the pairs, for the worker count), and the thread whose run holds this worker's first
 // unit finds the request there; thread 0 stores the worker's WalkState in walk_s. False when
 // the worker has nothing to do. Cost per CTA: ceil(R / threads) length loads per thread
 // (R <= kDecodeBalancedMaxRequests, from L2) and five barriers; with pass
@@ -411,6 +479,23 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   __shared__ int64_t start_s[3];  // the first pair (request, first unit, row tile)
   const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
   const SchedUnits u = sched_units(a, KEY_TILE);
+  if (a.walk_table != nullptr) {  // the host's table, made for this kernel's tiles
+    __shared__ int live_s;
+    if (tid == 0) {
+      const auto* head = static_cast<const WalkTableHead*>(a.walk_table);
+      const WalkTableHead h = *head;
+      const WalkStart s = reinterpret_cast<const WalkStart*>(head + 1)[blockIdx.x];
+      const int worker = int(blockIdx.x);
+      live_s = worker < h.workers ? 1 : 0;
+      if (worker < h.workers) {
+        const WalkState st =
+            start_walk(u, worker, h.workers, h.total, s.r, s.off, s.tile, h.pass_major != 0);
+        memcpy(walk_s, &st, sizeof(st));
+      }
+    }
+    __syncthreads();
+    return live_s != 0;
+  }
   const int per = (a.num_requests + nthreads - 1) / nthreads;
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
   int64_t mine = 0, mine_pairs = 0;

@@ -35,7 +35,7 @@ namespace {
 using namespace sm90;
 
 constexpr int kRows = kDecodeSm90Rows;  // query rows per CTA (one consumer M of 64)
-constexpr int kKeys = 64;               // keys per tile
+constexpr int kKeys = kDecodeSm90Keys;  // keys per tile
 constexpr int kThreads = 256;           // two warpgroups
 constexpr int kRowBytes = kLatentDim * 2;               // 1152: one 576-wide row in T
 [[maybe_unused]] constexpr int kRowChunks = kRowBytes / 16;              // 72 chunks of 16 bytes

@@ -9,8 +9,9 @@
 
 namespace kmla::cuda {
 
-// Query rows (token, head pairs of one request) per CTA of the wgmma kernel.
+// Query rows (token, head pairs of one request) per CTA of the wgmma kernel, and its key tile.
 inline constexpr int kDecodeSm90Rows = 64;
+inline constexpr int kDecodeSm90Keys = 64;
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
@@ -38,6 +39,9 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_EARLY_ISSUE=0|1   with TMA, issue tile t + 1 right after the tile
 //                                      barrier, before waiting for tile t: two tiles in
 //                                      flight (default 1; alone +-1 %, with the above 1-2 %)
+//   KMLA_DECODE_SM90_ONE_COPY=0|1      with TMA and 64-key groups, a tile in one 4-D copy
+//                                      instead of one copy per 64-column panel (default 1:
+//                                      2-3 % on the 128 / 64-head shapes, H100, 2026-12-06)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;

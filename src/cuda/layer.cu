@@ -179,6 +179,9 @@ struct Plan::Data {
   std::vector<std::byte> image;
   size_t off_tables = 0, off_seq = 0, off_qlen = 0, off_qstart = 0, off_ntok = 0, off_slots = 0,
          off_cu_new = 0, off_cu_ctx = 0, off_prefill_counter = 0;
+  // The decode's balanced walk starts (decode_walk_table) and their key tile (0: none).
+  size_t off_walk = 0;
+  int walk_key_tile = 0;
   // Scratch regions.
   size_t off_x8 = 0, off_x8s = 0, off_front = 0, off_q = 0, off_krope = 0, off_kf32 = 0,
          off_qf32 = 0, off_mqa = 0, off_q8 = 0, off_latent = 0, off_dlse = 0, off_dwork = 0,
@@ -418,6 +421,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
   // The wgmma prefill's work counter (PrefillParams::work_counter): zero in the image, and
   // every prefill launch of the step (in stream order) leaves it zero.
   d->off_prefill_counter = L.take(8);
+  d->off_walk = L.take(decode_walk_table_bytes(d->decode));
   for (const ContextChunk& ch : md.context_chunks) {
     Plan::Data::Chunk c;
     c.start = ch.start;
@@ -458,6 +462,10 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     append_array(d->image, d->off_slots, slots);
     append_array(d->image, d->off_cu_new, cu_new);
     append_array(d->image, d->off_cu_ctx, cu_ctx);
+    if (decode_walk_table_bytes(d->decode) > 0)
+      d->walk_key_tile =
+          decode_walk_table(d->decode, heads, d->causal_decode, f, d->decode_requests, seq.data(),
+                            qlen.data(), d->image.data() + d->off_walk);
     for (size_t c = 0; c < d->chunks.size(); ++c) {
       std::vector<int32_t> cu(md.context_chunks[c].cu_len.begin(), md.context_chunks[c].cu_len.end());
       append_array(d->image, d->chunks[c].cu_off, cu);
@@ -715,6 +723,10 @@ void Layer::Impl::run(const Plan& plan, const TensorView& positions, const Tenso
     dp.batch.num_requests = d.decode_requests;
     dp.heads = H;
     dp.causal = d.causal_decode;
+    if (d.walk_key_tile > 0) {
+      dp.walk_table = at(d.off_walk);
+      dp.walk_key_tile = d.walk_key_tile;
+    }
     dp.softmax_scale = scale;
     dp.act = act;
     dp.out = at(d.off_latent);

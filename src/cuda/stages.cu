@@ -142,8 +142,9 @@ struct DecodeAttention::Impl {
   bool causal = true;
   int64_t rows = 0;  // decode tokens
   DecodePlan plan;
-  std::vector<std::byte> image;  // block tables | seq lens | query lens | query starts
-  size_t off_seq = 0, off_qlen = 0, off_qstart = 0, off_work = 0, total = 0;
+  std::vector<std::byte> image;  // block tables | seq lens | query lens | query starts | walk
+  size_t off_seq = 0, off_qlen = 0, off_qstart = 0, off_walk = 0, off_work = 0, total = 0;
+  int walk_key_tile = 0;  // decode_walk_table's answer (0: no table)
 };
 
 DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cache, int heads,
@@ -172,7 +173,8 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
   d.off_seq = align(R * size_t(d.max_blocks) * 4);
   d.off_qlen = d.off_seq + align(R * 4);
   d.off_qstart = d.off_qlen + align(R * 4);
-  d.off_work = d.off_qstart + align((R + 1) * 4);
+  d.off_walk = d.off_qstart + align((R + 1) * 4);
+  d.off_work = d.off_walk + align(decode_walk_table_bytes(d.plan));
   d.total = d.off_work + d.plan.workspace_bytes;
   d.image.assign(d.off_work, std::byte{0});
   auto put = [&](size_t off, size_t i, int32_t v) { std::memcpy(d.image.data() + off + i * 4, &v, 4); };
@@ -184,6 +186,11 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
     put(d.off_qlen, r, md.query_lens[r]);
   }
   for (size_t r = 0; r <= R; ++r) put(d.off_qstart, r, int32_t(md.query_start[r]));
+  if (decode_walk_table_bytes(d.plan) > 0)
+    d.walk_key_tile = decode_walk_table(
+        d.plan, heads, d.causal, d.geo.format, d.requests,
+        reinterpret_cast<const int32_t*>(d.image.data() + d.off_seq),
+        reinterpret_cast<const int32_t*>(d.image.data() + d.off_qlen), d.image.data() + d.off_walk);
 }
 
 DecodeAttention::~DecodeAttention() = default;
@@ -238,6 +245,10 @@ void DecodeAttention::run(const TensorView& q, float q_scale, const LatentCache&
   p.out = out.data;
   p.lse = lse.as<float>();
   p.error_flag = error_flag;
+  if (d.walk_key_tile > 0) {
+    p.walk_table = ws + d.off_walk;
+    p.walk_key_tile = d.walk_key_tile;
+  }
   decode_attention(p, d.plan, ws + d.off_work, reinterpret_cast<cudaStream_t>(stream));
 }
 

@@ -337,17 +337,27 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     d_out.fill_bytes(0xFF);
     d_lse.fill_bytes(0xFF);
     d_flag.fill_bytes(0);
+    // Balanced plans: the walk's starts made on the host, as the layer and the stage make
+    // them; the repeat below finds them on the device instead and must give the same bits.
+    DecodeParams pt = p;
+    std::vector<uint8_t> walk(decode_walk_table_bytes(plan));
+    if (!walk.empty())
+      pt.walk_key_tile = decode_walk_table(plan, H, c.causal, c.format, R, dev_seq.data(),
+                                           dev_qlens.data(), walk.data());
+    DevBuf<uint8_t> d_walk(walk);
+    if (!walk.empty()) pt.walk_table = d_walk.ptr;
     if (hooks.run)
-      hooks.run(p, plan, d_ws.ptr);
+      hooks.run(pt, plan, d_ws.ptr);
     else
-      decode_attention(p, plan, d_ws.ptr, nullptr);
+      decode_attention(pt, plan, d_ws.ptr, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> out = d_out.download();
     const std::vector<float> lse = d_lse.download();
     EXPECT_EQ(d_flag.download()[0], expected_flag);
     {
-      // Again on the same workspace (what the first run left there): the kernels are
-      // deterministic, so the bits must repeat.
+      // Again on the same workspace (what the first run left there), the walk's starts found
+      // on the device: the kernels are deterministic and the starts the same, so the bits
+      // must repeat.
       d_out.fill_bytes(0xFF);
       d_lse.fill_bytes(0xFF);
       decode_attention(p, plan, d_ws.ptr, nullptr);

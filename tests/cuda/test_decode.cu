@@ -420,28 +420,29 @@ bool host_pass_order(const DecodeArgs& a, int rows) {
 // Every piece of worker w, as the device walks them (off: the requests' first units). The
 // start is found as the device prologue finds it: the request holding the share's first
 // unit, or in pass order the pair holding it (a plain loop over the list here).
+template <int ROWS, int KEY_TILE>
+WalkState host_start(const DecodeArgs& a, const SchedUnits& u, int w, int workers, int64_t total,
+                     const std::vector<int64_t>& off) {
+  const int64_t lo = share_begin(w, total, workers);
+  if (!host_pass_order(a, ROWS)) {
+    const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
+    return start_walk(u, w, workers, total, r0, off[size_t(r0)]);
+  }
+  int64_t x = 0;
+  for (int t = 0; t < a.row_tiles; ++t)
+    for (int r = 0; r < a.num_requests; ++r) {
+      const int64_t units = pair_units(a, ROWS, KEY_TILE, u, r, t);
+      if (lo < x + units) return start_walk(u, w, workers, total, r, x, t, true);
+      x += units;
+    }
+  ADD_FAILURE() << "worker " << w << ": no pair holds unit " << lo;
+  return start_walk(u, w, workers, total, a.num_requests, total);  // (walks nothing)
+}
+
 template <int ROWS, int KEY_TILE, class F>
 void walk_worker(const DecodeArgs& a, const SchedUnits& u, int w, int workers, int64_t total,
                  const std::vector<int64_t>& off, bool write_table, F&& f) {
-  const int64_t lo = share_begin(w, total, workers);
-  WalkState st;
-  if (!host_pass_order(a, ROWS)) {
-    const int r0 = int(std::upper_bound(off.begin(), off.end(), lo) - off.begin()) - 1;
-    st = start_walk(u, w, workers, total, r0, off[size_t(r0)]);
-  } else {
-    int64_t x = 0;
-    bool found = false;
-    for (int t = 0; t < a.row_tiles && !found; ++t)
-      for (int r = 0; r < a.num_requests && !found; ++r) {
-        const int64_t units = pair_units(a, ROWS, KEY_TILE, u, r, t);
-        if (lo < x + units) {
-          st = start_walk(u, w, workers, total, r, x, t, true);
-          found = true;
-        }
-        x += units;
-      }
-    ASSERT_TRUE(found) << "worker " << w << ": no pair holds unit " << lo;
-  }
+  WalkState st = host_start<ROWS, KEY_TILE>(a, u, w, workers, total, off);
   DecodeWork p;
   while (next_piece<ROWS, KEY_TILE>(a, st, write_table, p)) f(p);
 }
@@ -488,6 +489,25 @@ void check_host_schedule(const HostSchedCase& c) {
   const int workers = host_workers(a, ROWS, total, c.grid, u);
   ASSERT_GE(workers, 1);
   ASSERT_LE(workers, c.grid);
+  {
+    // The walk table the layer uploads (balanced_walk_table): the same worker count, total
+    // and list order, and every worker's start where the plain loops above find it.
+    std::vector<std::byte> walk(walk_table_bytes(c.grid));
+    balanced_walk_table(a, ROWS, KEY_TILE, c.grid, walk.data());
+    const auto* head = reinterpret_cast<const WalkTableHead*>(walk.data());
+    const auto* starts = reinterpret_cast<const WalkStart*>(head + 1);
+    EXPECT_EQ(head->rows, ROWS);
+    EXPECT_EQ(head->key_tile, KEY_TILE);
+    ASSERT_EQ(head->workers, workers);
+    ASSERT_EQ(head->total, total);
+    ASSERT_EQ(head->pass_major != 0, host_pass_order(a, ROWS));
+    for (int w = 0; w < workers; ++w) {
+      const WalkState st = host_start<ROWS, KEY_TILE>(a, u, w, workers, total, off);
+      EXPECT_EQ(starts[w].r, st.r) << "worker " << w;
+      EXPECT_EQ(starts[w].tile, st.tile) << "worker " << w;
+      EXPECT_EQ(starts[w].off, st.off) << "worker " << w;
+    }
+  }
 
   struct Piece {
     int worker, key0, key1;
