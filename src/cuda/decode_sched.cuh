@@ -458,15 +458,15 @@ __device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
 }
 
 // The balanced schedule's prologue. With a.walk_table (made by balanced_walk_table on the
-// host) thread 0 reads the worker's entry. Without one, every thread sums the units (and counts the
-// live pairs) of a contiguous run of requests, a block-wide scan turns those into offsets (a second
-// one totals the pairs, for the worker count), and the thread whose run holds this worker's first
-// unit finds the request there; thread 0 stores the worker's WalkState in walk_s. False when
-// the worker has nothing to do. Cost per CTA: ceil(R / threads) length loads per thread
-// (R <= kDecodeBalancedMaxRequests, from L2) and five barriers; with pass
-// order asked for and several row tiles, a min / max of the requests' row tile counts (two
-// barriers) and, in pass order, one more scan (and barrier pair) per pass up to the one that
-// holds the worker's first unit.
+// host) thread 0 reads the worker's entry. Without one, every thread sums the units (and
+// counts the live pairs) of a contiguous run of requests, a block-wide scan turns those into
+// offsets (a second one totals the pairs, for the worker count), and the thread whose run
+// holds this worker's first unit finds the request there; thread 0 stores the worker's
+// WalkState in walk_s. False when the worker has nothing to do. Cost per CTA without a table:
+// ceil(R / threads) length loads per thread (R <= kDecodeBalancedMaxRequests, from L2) and
+// five barriers; with pass order asked for and several row tiles, a min / max of the
+// requests' row tile counts (two barriers) and, in pass order, one more scan (and barrier
+// pair) per pass up to the one that holds the worker's first unit.
 // Its loops, and those of the block scans above, run once per CTA from a cold instruction
 // cache, so none is unrolled (213 KB less code in the binary). Measured (2026-12-06,
 // alternated; the results are bitwise the same): the K3 layer decode step 347.3 / 345.8 ->
