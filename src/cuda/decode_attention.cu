@@ -2458,9 +2458,20 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   // The fused combine (balanced plans): the split kernel, launched cooperatively, merges the
   // rows of cut pairs itself after a grid-wide barrier, so no combine launch follows it and a
-  // batch that cuts no pair merges nothing. KMLA_DECODE_FUSED=0|1 overrides the default.
+  // batch that cuts no pair merges nothing. Not for 64-row tiles with fewer (request, row
+  // tile) pairs than workers, where a uniform batch cuts every pair: there the combine kernel,
+  // a programmatic dependent, merges them sooner. Measured on H100 (2026-12-06, three rounds,
+  // fused / not): (16, 128, 4k) 64.2 / 65.2 / 65.0 against 63.5 / 63.2 / 63.4 us, DSpark
+  // 225.2 / 224.2 / 224.0 against 222.7 / 223.2 / 223.6; batches that cut no pair pay 1-4 us
+  // for the launch ((128, 128, 4k) 321.4 / 323.0 / 322.5 against 325.9 / 326.6 / 325.7, q 4
+  // 413.5 / 411.9 / 412.7 against 415.2 / 415.6 / 415.6) and keep it fused. A second H100
+  // (fused forced / this rule): (16, 128, 4k) 63.7 / 64.2 / 63.6 against 63.4 / 64.1 / 63.0,
+  // DSpark 221.8 / 221.7 / 221.6 against 221.2 / 220.9 / 220.4.
+  // KMLA_DECODE_FUSED=0|1 overrides the default.
   const int fused = env_int("KMLA_DECODE_FUSED", -1);
-  plan.fused_combine = balanced && (fused >= 0 ? fused != 0 : !many_partials(plan, ctas));
+  const bool every_pair_cut = plan.rows_per_cta == 64 && ctas < plan.num_workers;
+  plan.fused_combine =
+      balanced && (fused >= 0 ? fused != 0 : !many_partials(plan, ctas) && !every_pair_cut);
   plan.row16_warp_own = choose_row16_warp_own(plan, format);
   plan.workspace_bytes = decode_workspace_bytes(plan, num_requests, heads);
   return plan;

@@ -261,11 +261,16 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
       EXPECT_EQ(rows64.programmatic_combine, major >= 9);
       EXPECT_FALSE(rows16.programmatic_combine);
     }
-    // Balanced plans merge their cut pairs in the split kernel; per-request ones launch the
-    // combine.
+    // Balanced plans merge their cut pairs in the split kernel (but see below); per-request
+    // ones launch the combine.
     if (!std::getenv("KMLA_DECODE_FUSED")) {
       EXPECT_TRUE(rows64.fused_combine);
       EXPECT_TRUE(rows16.fused_combine);
+      // 64-row tiles with fewer pairs than workers (every pair of a uniform batch cut): the
+      // combine kernel. 16 requests of 2 row tiles; the DSpark draft's 64 of one.
+      EXPECT_FALSE(plan_decode(16, 128, 1, 4096, false).fused_combine);
+      EXPECT_FALSE(plan_decode(64, 8, 8, 8192, false).fused_combine);
+      EXPECT_TRUE(plan_decode(128, 12, 4, 8192, false).fused_combine);  // q 4: none cut
       EXPECT_FALSE(plan_decode(1, 12, 1, 65536, false).fused_combine);
       // A few long requests (~66 pieces a row): the combine kernel's CTA-per-row form.
       const DecodePlan few_long = plan_decode(4, 12, 1, 262144, false);
