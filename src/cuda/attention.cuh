@@ -148,11 +148,12 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 // The balanced walk's starts (decode_sched.cuh, balanced_walk_table) for a batch planned as
 // `plan`, made on the host from its lengths (host arrays of num_requests): what every CTA of
 // the split kernel would otherwise find by loading all lengths and scanning them before its
-// first copy. decode_walk_table_bytes is 0 unless plan is balanced. decode_walk_table fills
-// `out` with that many bytes and returns the key tile the table is for (the kernel the current
-// device runs for `plan`); callers upload it with the lengths and pass its device copy and
-// that tile in DecodeParams::walk_table / walk_key_tile. A launch whose kernel has another
-// key tile ignores the table.
+// first copy. decode_walk_table_bytes is 0 unless plan is balanced (decode_walk_table then
+// writes nothing and returns 0); else decode_walk_table fills `out` with that many bytes and
+// returns the key tile the table is for (the kernel the current device runs for `plan`).
+// Callers upload it with the lengths and pass its device copy and that tile in
+// DecodeParams::walk_table / walk_key_tile. A launch whose kernel has another key tile
+// ignores the table.
 size_t decode_walk_table_bytes(const DecodePlan& plan);
 int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheFormat format,
                       int num_requests, const int32_t* seq_lens, const int32_t* query_lens,

@@ -462,10 +462,8 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
     append_array(d->image, d->off_slots, slots);
     append_array(d->image, d->off_cu_new, cu_new);
     append_array(d->image, d->off_cu_ctx, cu_ctx);
-    if (decode_walk_table_bytes(d->decode) > 0)
-      d->walk_key_tile =
-          decode_walk_table(d->decode, heads, d->causal_decode, f, d->decode_requests, seq.data(),
-                            qlen.data(), d->image.data() + d->off_walk);
+    d->walk_key_tile = decode_walk_table(d->decode, heads, d->causal_decode, f, d->decode_requests,
+                                         seq.data(), qlen.data(), d->image.data() + d->off_walk);
     for (size_t c = 0; c < d->chunks.size(); ++c) {
       std::vector<int32_t> cu(md.context_chunks[c].cu_len.begin(), md.context_chunks[c].cu_len.end());
       append_array(d->image, d->chunks[c].cu_off, cu);

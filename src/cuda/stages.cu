@@ -186,11 +186,10 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
     put(d.off_qlen, r, md.query_lens[r]);
   }
   for (size_t r = 0; r <= R; ++r) put(d.off_qstart, r, int32_t(md.query_start[r]));
-  if (decode_walk_table_bytes(d.plan) > 0)
-    d.walk_key_tile = decode_walk_table(
-        d.plan, heads, d.causal, d.geo.format, d.requests,
-        reinterpret_cast<const int32_t*>(d.image.data() + d.off_seq),
-        reinterpret_cast<const int32_t*>(d.image.data() + d.off_qlen), d.image.data() + d.off_walk);
+  d.walk_key_tile = decode_walk_table(d.plan, heads, d.causal, d.geo.format, d.requests,
+                                      reinterpret_cast<const int32_t*>(d.image.data() + d.off_seq),
+                                      reinterpret_cast<const int32_t*>(d.image.data() + d.off_qlen),
+                                      d.image.data() + d.off_walk);
 }
 
 DecodeAttention::~DecodeAttention() = default;
