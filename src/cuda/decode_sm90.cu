@@ -248,7 +248,7 @@ struct KernelFlags {
   // > 0: key tiles by bulk tensor copies (TMA) of groups of this many keys (8, 16, 32 or 64,
   // a divisor of the block size) through the kernel's tensor map; 0: cp.async.
   int tma_keys;
-  // tma_keys == 64 and a 4-D map ([blocks][panels][rows][64 columns]): one copy per tile.
+  // tma_keys == 64 and the map's box holds all 9 panels: one copy per tile.
   bool one_copy;
   bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
   bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
@@ -403,15 +403,13 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
                             uint32_t(__popc(good_groups) * tma_keys * kRowBytes));
     }
     __syncwarp();  // the bytes are announced before any copy can complete
-    if (good && flags.one_copy) {
-      tma_load_4d(base + kKOff + stage * kTileBytes, &kmap, 0, decode_row_in_block(a, pos), 0,
-                  block, &full_bar[stage], l2_evict_first_policy());
-    } else if (good) {
+    if (good) {    // a box per panel, or (one_copy) one of all nine
       const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
+      const int copies = flags.one_copy ? 1 : kPanels;
 #pragma unroll 1
-      for (int pn = 0; pn < kPanels; ++pn)
-        tma_load_3d(dst + pn * kPanelBytes, &kmap, pn * kPanelElems, decode_row_in_block(a, pos),
-                    block, &full_bar[stage], l2_evict_first_policy());
+      for (int pn = 0; pn < copies; ++pn)
+        tma_load_4d(dst + pn * kPanelBytes, &kmap, 0, decode_row_in_block(a, pos), pn, block,
+                    &full_bar[stage], l2_evict_first_policy());
     }
   };
   auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
@@ -749,44 +747,39 @@ int tma_group_keys(int block_size) {
   return 0;
 }
 
-// The paged cache as a 3-D tensor [num_blocks][block_size][576] of T (block stride in bytes
-// from the caller, rows 1152 bytes apart), read in boxes of `group` rows x 64 columns into
-// 128-byte-swizzled panels. Encoded on the host for every launch (no device work, graph safe).
-// False if the driver cannot encode it (a caller-owned cache of unusual geometry, an old
-// driver): the launch then takes cp.async, which is slower but computes the same.
-//
-// With `one_copy` (group 64) the map is 4-D instead, [num_blocks][9 panels][block_size][64]
-// (strides: block, 128 B, 1152 B), and one box of 64 rows x 9 panels lands as the stage's
-// [panel][row][64] layout: the tile in one copy instead of nine.
-bool cache_tensor_map(const DecodeArgs& a, DType act, int group, bool one_copy, CUtensorMap& map) {
+// The paged cache as a 4-D tensor of T, dims (outermost first) [num_blocks][9 panels]
+// [block_size][64 columns] with strides block_stride (from the caller), 128 B (a panel's
+// columns) and 1152 B (a row), read in boxes of `group` rows x 64 columns x `panels` panels
+// (1, or all 9 with one_copy) into 128-byte-swizzled panels: a box lands as the stage's
+// [panel][row][64] layout. Encoded on the host for every launch (no device work, graph
+// safe). False if the driver cannot encode it (a caller-owned cache of unusual geometry, an
+// old driver): the launch then takes cp.async, which is slower but computes the same.
+bool cache_tensor_map(const DecodeArgs& a, DType act, int group, int panels, CUtensorMap& map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[4] = {cuuint64_t(one_copy ? kPanelElems : kLatentDim),
-                              cuuint64_t(a.block_size), cuuint64_t(kPanels),
-                              cuuint64_t(a.num_blocks)};
+  const cuuint64_t dims[4] = {cuuint64_t(kPanelElems), cuuint64_t(a.block_size),
+                              cuuint64_t(kPanels), cuuint64_t(a.num_blocks)};
   const cuuint64_t strides[3] = {cuuint64_t(kRowBytes), cuuint64_t(kPanelRowBytes),
                                  cuuint64_t(a.block_stride)};
-  const cuuint32_t box[4] = {cuuint32_t(kPanelElems), cuuint32_t(group), cuuint32_t(kPanels), 1};
+  const cuuint32_t box[4] = {cuuint32_t(kPanelElems), cuuint32_t(group), cuuint32_t(panels), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const cuuint64_t dims3[3] = {dims[0], dims[1], dims[3]};
-  const cuuint64_t strides3[2] = {strides[0], strides[2]};
-  const cuuint32_t box3[3] = {box[0], box[1], 1};
   const CUresult r = encode(
       &map, act == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      one_copy ? 4 : 3, const_cast<std::byte*>(a.cache_base), one_copy ? dims : dims3,
-      one_copy ? strides : strides3, one_copy ? box : box3, elem_strides,
+      4, const_cast<std::byte*>(a.cache_base), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
 // The key-group size the launch copies with (0: cp.async), and the tensor map for it;
-// one_copy: the 4-D map of whole tiles (else the 3-D one of panels).
+// one_copy: its boxes hold whole tiles (64-key groups and DecodeSm90Options::one_copy).
 int tma_keys_for(const DecodeArgs& a, DType act, CUtensorMap& map, bool& one_copy) {
   const DecodeSm90Options& o = current_options();
   const int group = o.tma && a.num_blocks > 0 ? tma_group_keys(a.block_size) : 0;
-  one_copy = group == kKeys && o.one_copy && cache_tensor_map(a, act, group, true, map);
-  return one_copy || (group > 0 && cache_tensor_map(a, act, group, false, map)) ? group : 0;
+  one_copy = group == kKeys && o.one_copy;
+  if (group > 0 && cache_tensor_map(a, act, group, one_copy ? kPanels : 1, map)) return group;
+  one_copy = false;
+  return 0;
 }
 
 }  // namespace
@@ -799,9 +792,9 @@ int decode_sm90_tma_keys(const DecodeParams& p, bool* one_copy) {
   a.block_size = p.cache.block_size;
   a.block_shift = decode_block_shift(p.cache.block_size);
   CUtensorMap map{};
-  bool whole = false;
-  const int group = tma_keys_for(a, p.act, map, whole);
-  if (one_copy != nullptr) *one_copy = whole;
+  bool one = false;
+  const int group = tma_keys_for(a, p.act, map, one);
+  if (one_copy != nullptr) *one_copy = one;
   return group;
 }
 

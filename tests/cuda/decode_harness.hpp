@@ -340,12 +340,11 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     // Balanced plans: the walk's starts made on the host, as the layer and the stage make
     // them; the repeat below finds them on the device instead and must give the same bits.
     DecodeParams pt = p;
-    std::vector<uint8_t> walk(decode_walk_table_bytes(plan));
-    if (!walk.empty())
-      pt.walk_key_tile = decode_walk_table(plan, H, c.causal, c.format, R, dev_seq.data(),
-                                           dev_qlens.data(), walk.data());
+    std::vector<uint8_t> walk(decode_walk_table_bytes(plan));  // none for per-request plans
+    pt.walk_key_tile = decode_walk_table(plan, H, c.causal, c.format, R, dev_seq.data(),
+                                         dev_qlens.data(), walk.data());
     DevBuf<uint8_t> d_walk(walk);
-    if (!walk.empty()) pt.walk_table = d_walk.ptr;
+    pt.walk_table = d_walk.ptr;  // (ignored with key tile 0)
     if (hooks.run)
       hooks.run(pt, plan, d_ws.ptr);
     else
