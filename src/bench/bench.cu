@@ -391,7 +391,7 @@ Result run_decode(const Case& c, Context& ctx) {
   // The balanced walk's starts, made on the host from the lengths as the layer and the
   // DecodeAttention stage make them (uploaded once: every timed run has the same batch).
   DeviceBuffer walk;
-  if (const size_t walk_bytes = cuda::decode_walk_table_bytes(plan); walk_bytes > 0) {
+  if (const size_t walk_bytes = cuda::decode_walk_table_bytes(plan, c.batch); walk_bytes > 0) {
     std::vector<std::byte> table(walk_bytes);
     p.walk_key_tile = cuda::decode_walk_table(plan, c.heads, c.causal, c.format, c.batch,
                                               seq_lens.data(), q_lens.data(), table.data());

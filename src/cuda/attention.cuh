@@ -67,7 +67,9 @@ struct DecodePlan {
   // second row tile a whole pair later, on the same or the next worker). Measured on H100
   // (2026-12-05): (128, 128, 4k) reads 0.63 GB of DRAM against 1.24 and runs in 351 us
   // against 475; (64, 128, 8k) 339 against 358, (64, 64, 8k, q 2) 339 against 367; one-tile
-  // shapes unchanged. KMLA_DECODE_PASS_ORDER=0 gives request order (A/B runs).
+  // shapes unchanged. Batches whose requests have different row tile counts (mixed query
+  // lengths) get the same lockstep from the walk table's sections (decode_sched.cuh,
+  // balanced_walk_table). KMLA_DECODE_PASS_ORDER=0 gives request order (A/B runs).
   bool pass_major = true;
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
   // launch overlaps the split kernel's tail. plan_decode sets it for balanced 64-row plans and
@@ -154,7 +156,7 @@ size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int head
 // Callers upload it with the lengths and pass its device copy and that tile in
 // DecodeParams::walk_table / walk_key_tile. A launch whose kernel has another key tile
 // ignores the table.
-size_t decode_walk_table_bytes(const DecodePlan& plan);
+size_t decode_walk_table_bytes(const DecodePlan& plan, int num_requests);
 int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheFormat format,
                       int num_requests, const int32_t* seq_lens, const int32_t* query_lens,
                       void* out);

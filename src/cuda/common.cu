@@ -42,6 +42,17 @@ bool env_switch(const char* name, bool fallback) {
   return env[0] == '1';
 }
 
+// An integer in [lo, hi] from the environment; unset or empty: `fallback`.
+int env_int_in(const char* name, int fallback, int lo, int hi) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  KMLA_CHECK(*end == '\0' && v >= lo && v <= hi, name, " must be an integer in [", lo, ", ", hi,
+             "], got '", env, "'");
+  return int(v);
+}
+
 bool stream_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {

@@ -183,6 +183,9 @@ CacheRef cache_ref(const LatentCache& cache);
 // A 0|1 switch from the environment (A/B runs); unset or empty: `fallback`. Any other value
 // is an error.
 bool env_switch(const char* name, bool fallback);
+// An integer in [lo, hi] from the environment (A/B runs); unset or empty: `fallback`. Anything
+// else is an error.
+int env_int_in(const char* name, int fallback, int lo, int hi);
 
 // Whether `stream` is capturing a graph, or cannot tell (the legacy stream while another stream
 // captures in global mode answers with an error, which is cleared): work that must not be

@@ -49,7 +49,8 @@ struct DecodeArgs {
   int sched_min_keys;      // fewest keys per worker
   int sched_nosplit_keys;  // pairs of at most this many keys are never cut
   // balanced: the pairs in pass order (every request's row tile 0, then every row tile 1, ...)
-  // instead of request order (DecodePlan::pass_major).
+  // instead of request order (DecodePlan::pass_major); with mixed row tile counts, the walk
+  // table's lockstep sections.
   bool pass_major;
   // Partials. per-request: ws_o [num_requests, max_rows, num_splits, 512] fp32 (normalised),
   // ws_lse [num_requests, max_rows, num_splits]. balanced: ws_o [2 num_workers, rows_per_cta,
@@ -58,8 +59,8 @@ struct DecodeArgs {
   float* ws_o;
   float* ws_lse;
   int2* pair_table;  // balanced: [num_requests * row_tiles] (first worker, pieces)
-  // balanced: the walk's starts made on the host for this kernel's tiles (decode_sched.cuh,
-  // WalkTableHead), or nullptr: every CTA finds its own from the lengths.
+  // balanced: the walk's starts (and sections) made on the host for this kernel's tiles
+  // (decode_sched.cuh, WalkTableHead), or nullptr: every CTA finds its own from the lengths.
   const void* walk_table;
   // balanced, launched cooperatively: the split kernel merges the cut pairs itself after a
   // grid-wide barrier and no combine runs (decode_combine.cuh, DecodePlan::fused_combine).

@@ -2363,6 +2363,13 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     return plan;
   }
   plan.rows_per_cta = rows_per_cta_for(max_query_len * heads);
+  // 17-32 rows per request (12 heads x 2 tokens, 16 x 2) on sm_90: the wgmma kernel's 64-row
+  // tile, half empty or more, instead of the mma.sync kernel's 32-row one
+  // (decode_sm90_takes_rows, DecodeSm90Options::min_rows; KMLA_DECODE_SM90_MIN_ROWS=32 keeps
+  // the 32-row kernel). Measured on H100: see docs/PERF.md, eighteenth session.
+  if (plan.rows_per_cta < kDecodeSm90Rows &&
+      decode_sm90_takes_rows(max_query_len * heads, format, portable))
+    plan.rows_per_cta = kDecodeSm90Rows;
 
   int device = 0, sms = 0, smem_per_sm = 0, threads_per_sm = 0, smem_per_block = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
@@ -2506,8 +2513,10 @@ void set_sched_args(DecodeArgs& a, const DecodePlan& plan) {
 
 }  // namespace
 
-size_t decode_walk_table_bytes(const DecodePlan& plan) {
-  return plan.schedule == DecodeSchedule::balanced ? walk_table_bytes(plan.num_workers) : 0;
+size_t decode_walk_table_bytes(const DecodePlan& plan, int num_requests) {
+  return plan.schedule == DecodeSchedule::balanced
+             ? walk_table_bytes(plan.num_workers, num_requests)
+             : 0;
 }
 
 int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheFormat format,
@@ -2525,7 +2534,16 @@ int decode_walk_table(const DecodePlan& plan, int heads, bool causal, CacheForma
   a.heads = heads;
   a.causal = causal;
   set_sched_args(a, plan);
-  balanced_walk_table(a, plan.rows_per_cta, key_tile, plan.num_workers, out);
+  static const int lockstep =
+      env_int_in("KMLA_DECODE_LOCKSTEP", kLockstepAll, kLockstepOff, kLockstepAll);
+  balanced_walk_table(a, plan.rows_per_cta, key_tile, plan.num_workers, out, lockstep);
+  // KMLA_DECODE_UNCUT_SKIP=0 (read once): the fused combine's grid barrier even when no pair
+  // is cut (A/B runs).
+  static const bool uncut_skip = env_switch("KMLA_DECODE_UNCUT_SKIP", true);
+  if (!uncut_skip) {
+    auto* starts = reinterpret_cast<WalkStart*>(static_cast<WalkTableHead*>(out) + 1);
+    for (int w = 0; w < plan.num_workers; ++w) starts[w].cuts = std::max(starts[w].cuts, 1);
+  }
   return key_tile;
 }
 

@@ -14,7 +14,10 @@
 //     the worker whose share holds the pair's midpoint takes all of it. The list runs
 //     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major when
 //     every request with rows has the same number (>= 2) of row tiles, pass by pass (r0 t0,
-//     r1 t0, ..., r0 t1, r1 t1, ...).
+//     r1 t0, ..., r0 t1, r1 t1, ...). With pass_major and mixed row tile counts, the walk
+//     table made on the host (balanced_walk_table) cuts the list into lockstep sections with
+//     their own workers instead, so that a request's row tiles still read each key tile at
+//     the same time; without a table that batch keeps request order.
 // Everything a worker computes comes from seq_lens / query_lens on the device (or from the
 // walk table the host made from the same lengths and uploaded with them) and the plan's
 // constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
@@ -22,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/decode_args.cuh"
 
@@ -238,33 +242,48 @@ __host__ __device__ inline int64_t balanced_partial(int w0, int n, int s, int ro
   return balanced_slot(w0, n, s) * rows + row;
 }
 
-// A worker's share and where its walk over the pairs stands.
+// A worker's share and where its walk over the pairs stands. The walk runs over one
+// *section* of the list: the whole list, or (walk tables with sections, balanced_walk_table)
+// one part of it with its own workers. Units (lo, hi, off) count from the section's start.
+enum WalkMode : int {
+  kWalkRequests = 0,   // request order: every row tile of a request, then the next request
+  kWalkPass = 1,       // one pass: row tile `tile` of every request of the list
+  kWalkAllPasses = 2,  // pass order over the whole list: at its end the next row tile from 0
+};
 struct WalkState {
-  int64_t lo = 0, hi = 0, total = 0;  // the share [lo, hi) of `total` units
-  int worker = 0, workers = 1;
-  int r = 0, tile = 0;  // the next pair to look at, in the list's order
-  int64_t off = 0;      // its first unit
+  int64_t lo = 0, hi = 0, total = 0;  // the share [lo, hi) of the section's `total` units
+  int worker = 0;                     // the CTA's worker id (partial slots are per worker)
+  int w0 = 0, workers = 1;            // the section's workers [w0, w0 + workers)
+  int r = 0, tile = 0;  // the next pair to look at: list position r (request order[r], or r
+                        // without an order) and row tile
+  int r_end = 0;        // the list's end
+  int64_t off = 0;      // the pair's first unit
   SchedUnits u;
-  int pass_major = 0;  // the list in pass order (pass_order), else request order
+  int mode = kWalkRequests;        // WalkMode
+  const int32_t* order = nullptr;  // the list's requests (nullptr: 0, 1, ..., r_end - 1)
 };
 
-// The worker's share, its walk starting at pair (r, tile) whose first unit is `off`: in
-// request order the first request whose units reach the share (tile 0), in pass order the
-// pair that holds the share's first unit.
-__host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker, int workers,
-                                                int64_t total, int r, int64_t off, int tile = 0,
-                                                bool pass_major = false) {
+// The worker's state at the start of its walk: its share of a section of `total` units over
+// `workers` workers from w0 on, the walk starting at list position r, row tile `tile`, whose
+// pair's first unit is `off`.
+__host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker, int w0,
+                                                int workers, int64_t total, int r, int r_end,
+                                                int64_t off, int tile, int mode,
+                                                const int32_t* order) {
   WalkState st;
-  st.pass_major = pass_major ? 1 : 0;
   st.u = u;
-  st.lo = share_begin(worker, total, workers);
-  st.hi = share_begin(worker + 1, total, workers);
+  st.lo = share_begin(worker - w0, total, workers);
+  st.hi = share_begin(worker - w0 + 1, total, workers);
   st.total = total;
   st.worker = worker;
+  st.w0 = w0;
   st.workers = workers;
   st.r = r;
+  st.r_end = r_end;
   st.tile = tile;
   st.off = off;
+  st.mode = mode;
+  st.order = order;
   return st;
 }
 
@@ -280,31 +299,31 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
   // few % of a worker's time and costs a partial write and a combine read.
   const int64_t short_units = (st.total / st.workers) / 8;
   for (;;) {
-    if (st.pass_major && st.r == a.num_requests) {  // the pass is over: the next one
+    if (st.r == st.r_end) {  // the list is over, or in pass order the pass: the next one
+      if (st.mode != kWalkAllPasses) return false;
       st.r = 0;
       ++st.tile;
     }
-    const bool listed = st.pass_major ? st.tile < a.row_tiles : st.r < a.num_requests;
-    if (!listed || st.off >= st.hi) return false;
-    w.r = st.r;
-    w.qlen = a.query_lens[st.r];
-    w.seq = a.seq_lens[st.r];
+    if ((st.mode != kWalkRequests && st.tile >= a.row_tiles) || st.off >= st.hi) return false;
+    w.r = st.order != nullptr ? st.order[st.r] : st.r;
+    w.qlen = a.query_lens[w.r];
+    w.seq = a.seq_lens[w.r];
     w.nrows = covered_rows(a, w.qlen);
     w.row0 = st.tile * ROWS;
     int kmax = 0;
     const int tiles = pair_tiles(a, ROWS, KEY_TILE, w.qlen, w.seq, w.nrows, w.row0, &kmax);
     if (tiles < 0) {  // past the request's rows: on to the next request
       ++st.r;
-      if (!st.pass_major) st.tile = 0;
+      if (st.mode == kWalkRequests) st.tile = 0;
       continue;
     }
-    const int64_t pair = int64_t(st.r) * a.row_tiles + st.tile;
+    const int64_t pair = int64_t(w.r) * a.row_tiles + st.tile;
     const int64_t off = st.off, units = tiles + u.pair, end = off + units;
     st.off = end;
-    if (st.pass_major)
-      ++st.r;
-    else
+    if (st.mode == kWalkRequests)
       ++st.tile;
+    else
+      ++st.r;
     if (tiles <= u.nosplit || units <= short_units) {
       const int64_t mid = off + units / 2;  // whole, to the worker holding the midpoint
       if (st.lo <= mid && mid < st.hi) {
@@ -320,8 +339,8 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
         return true;
       }
     } else if (end > st.lo) {
-      const int w0 = worker_of(off, st.total, st.workers);
-      const int n = worker_of(end - 1, st.total, st.workers) - w0 + 1, s = st.worker - w0;
+      const int w0 = st.w0 + worker_of(off, st.total, st.workers);
+      const int n = st.w0 + worker_of(end - 1, st.total, st.workers) - w0 + 1, s = st.worker - w0;
       // Units [u0, u1) of the pair map onto its key tiles proportionally (the start-up
       // charge spread over them), rounded to the nearest tile, so neighbouring pieces meet on
       // the same tile and a pair cut in halves gets two equal halves (rounding down gave a
@@ -346,29 +365,186 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
 
 // ---- the walk's starts, made on the host --------------------------------------------------
 // Every caller plans a batch on the host from lengths it also uploads, so the host can do the
-// prologue's work (below) once per batch: the table holds the worker count, the list order and,
-// per CTA of the grid, the pair its walk starts at. A kernel given one (DecodeArgs::walk_table)
-// reads its entry instead of loading every length and scanning them: one load in place of a
-// chain of loads and barriers before its first copy.
+// prologue's work (below) once per batch: per CTA of the grid, the section of the list it
+// walks and the pair its walk starts at. A kernel given one (DecodeArgs::walk_table) reads its
+// entry instead of loading every length and scanning them: one load in place of a chain of
+// loads and barriers before its first copy.
+//
+// The table can also order the walk in ways the device prologue does not: a batch with
+// requests of several row tiles runs in *lockstep sections*, also when the requests have
+// different numbers of row tiles (mixed query lengths over 64-row tiles: 12 heads x 2..6
+// tokens), where the device keeps request order. The requests of n >= 2 row tiles form a
+// group; each of its n passes (row tile t of every member) is a section with the same number
+// of workers, so worker j of pass t walks worker j of pass 0's pieces (same requests, same
+// keys, up to a tile) at the same time, and the second read of a key tile hits L2; the passes'
+// CTAs are interleaved, so those workers are neighbours. The requests of one row tile form the
+// last section, in request order. In request order a request's second row tile runs a whole
+// pair after its first, on the next worker ~25 tiles apart (mixed bench batch), so both reads
+// of every key tile came from DRAM.
 struct WalkTableHead {
   int32_t rows = 0, key_tile = 0;  // the kernel tiles the table was made for
-  int32_t workers = 0;             // 0: no request has rows
-  int32_t pass_major = 0;          // the list in pass order (pass_order)
+  int32_t workers = 0;             // the workers with a share (0: no request has rows)
+  int32_t sections = 0;            // 0: the whole list is one section; else lockstep sections
   int64_t total = 0;               // units of the batch
 };
-struct WalkStart {  // the pair (request r, row tile `tile`) holding the share's first unit
-  int32_t r = 0, tile = 0;
-  int64_t off = 0;  // its first unit (in request order: request r's, tile 0)
+inline constexpr int kWalkOrdered = 4;  // WalkStart::mode flag: the list is the table's order
+struct WalkStart {
+  int64_t off = 0;          // the first unit of the pair holding the share's first unit (counted
+                            // from the section's start)
+  int64_t total = 0;        // the section's units
+  int32_t r = 0, tile = 0;  // that pair: list position and row tile
+  int32_t w0 = 0, workers = 0;  // the section's workers (0: this CTA has no share)
+  int32_t r_end = 0, mode = 0;  // the section's list end; WalkMode | kWalkOrdered
+  int32_t worker = 0;           // the CTA's worker id (its share and partial slots)
+  // Pieces of cut pairs in the whole walk, the same in every entry: with none, the fused combine
+  // (for_each_decode_work) skips its grid-wide barrier, as nothing is left to merge.
+  int32_t cuts = 0;
 };
-inline size_t walk_table_bytes(int grid) {
-  return sizeof(WalkTableHead) + size_t(grid) * sizeof(WalkStart);
+// Layout: the head, a WalkStart per CTA, then the order of the requests (int32 each).
+inline size_t walk_table_bytes(int grid, int requests) {
+  return sizeof(WalkTableHead) + size_t(grid) * sizeof(WalkStart) + size_t(requests) * 4;
 }
 
-// Fills `out` (walk_table_bytes(grid) bytes) with what balanced_prologue finds for every
-// worker of a `grid`-CTA launch, a's seq_lens / query_lens pointing to host memory.
-inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int grid, void* out) {
+// The walk of the list [r0, r_end) of `order` (r itself without one) in `mode` that starts
+// worker w0 + j (j < workers) on the pair holding unit share_begin(j, total, workers), run by
+// CTA c0 + j * stride: starts[c0 + j * stride] for every j.
+inline void walk_section_starts(const DecodeArgs& a, int rows, int key_tile, const SchedUnits& u,
+                                const int32_t* order, int r0, int r_end, int mode, int tile,
+                                int64_t total, int w0, int workers, int c0, int stride,
+                                WalkStart* starts) {
+  int r = r0, t = tile;
+  int64_t off = 0;
+  for (int j = 0; j < workers; ++j) {
+    const int64_t lo = share_begin(j, total, workers);
+    for (;;) {
+      const int req = order != nullptr ? order[r] : r;
+      const int64_t n = mode == kWalkRequests ? request_units(a, rows, key_tile, u, req)
+                                              : pair_units(a, rows, key_tile, u, req, t);
+      if (lo < off + n) break;
+      off += n;
+      if (++r == r_end && mode == kWalkAllPasses) r = 0, ++t;
+    }
+    starts[c0 + j * stride] = WalkStart{
+        off,    total, r, t, w0, workers, r_end, mode | (order != nullptr ? kWalkOrdered : 0),
+        w0 + j, 0};
+  }
+}
+
+// Lockstep sections (above) for `workers` workers, written to `starts` and `order`; returns
+// how many, or 0 (nothing written) when the batch has no request of several row tiles, or when no
+// split of the workers keeps every share within 1/16 of total / workers (a group needs a worker per
+// pass; a lone long request among many short ones would get one worker per pass).
+inline int lockstep_walk_table(const DecodeArgs& a, int rows, int key_tile, const SchedUnits& u,
+                               int workers, int64_t total, bool interleave, WalkStart* starts,
+                               int32_t* order) {
+  int most = 0;
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int n = live_row_tiles(a, rows, r);
+    most = n > most ? n : most;
+  }
+  if (most < 2) return 0;
+  // Section kinds: n = 1 (the one-tile requests, one section in request order) and every n >= 2
+  // with members (n passes). cost / least: the kind's costliest / cheapest section; m: workers
+  // per section (never more than `least`: no worker gets an empty share).
+  struct Kind {
+    int n = 0, members = 0, m = 0;
+    int64_t cost = 0, least = 0;
+  };
+  std::vector<Kind> kinds(size_t(most) + 1);
+  std::vector<std::vector<int64_t>> pass_units(size_t(most) + 1);
+  for (int n = 1; n <= most; ++n)
+    kinds[size_t(n)].n = n, pass_units[size_t(n)].assign(size_t(n), 0);
+  for (int r = 0; r < a.num_requests; ++r) {
+    const int n = live_row_tiles(a, rows, r);
+    if (n == 0) continue;
+    ++kinds[size_t(n)].members;
+    for (int t = 0; t < n; ++t)
+      pass_units[size_t(n)][size_t(t)] += pair_units(a, rows, key_tile, u, r, t);
+  }
+  int used = 0;
+  for (Kind& k : kinds) {
+    if (k.members == 0) continue;
+    k.least = pass_units[size_t(k.n)][0];
+    for (int64_t c : pass_units[size_t(k.n)]) {
+      k.cost = c > k.cost ? c : k.cost;
+      k.least = c < k.least ? c : k.least;
+    }
+    k.m = 1;
+    used += k.n;
+  }
+  if (used > workers) return 0;
+  // Workers one section at a time (n at once for a group) to the kind whose shares are the
+  // largest, while they fit.
+  for (;;) {
+    Kind* best = nullptr;
+    for (Kind& k : kinds)
+      if (k.members > 0 && k.n <= workers - used && k.m < k.least &&
+          (best == nullptr || k.cost * best->m > best->cost * k.m))
+        best = &k;
+    if (best == nullptr) break;
+    ++best->m;
+    used += best->n;
+  }
+  for (const Kind& k : kinds)
+    if (k.members > 0 && 16 * k.cost * workers > 17 * total * k.m) return 0;
+  // The order: every group's members, fewest row tiles first, then the one-tile requests.
+  int pos = 0, w = 0, sections = 0;
+  for (int g = 2; g <= most + 1; ++g) {
+    const int n = g <= most ? g : 1;  // the one-tile requests last
+    const Kind& k = kinds[size_t(n)];
+    if (k.members == 0) continue;
+    const int r0 = pos;
+    for (int r = 0; r < a.num_requests; ++r)
+      if (live_row_tiles(a, rows, r) == n) order[pos++] = r;
+    // A group's passes run on interleaved CTAs (pass t, share j on CTA w + j n + t) if
+    // `interleave`, so a request's row tiles run on neighbouring CTAs; else each pass on its
+    // own run of CTAs.
+    for (int t = 0; t < n; ++t) {
+      const bool pass = n > 1;
+      const int c0 = interleave ? w - t * k.m + t : w, stride = interleave ? n : 1;
+      walk_section_starts(a, rows, key_tile, u, order, r0, pos, pass ? kWalkPass : kWalkRequests,
+                          pass ? t : 0, pass_units[size_t(n)][size_t(t)], w, k.m, c0, stride,
+                          starts);
+      w += k.m;
+      ++sections;
+    }
+  }
+  return sections;
+}
+
+// Which batches balanced_walk_table gives lockstep sections (KMLA_DECODE_LOCKSTEP, A/B runs).
+enum LockstepRule : int {
+  kLockstepOff = 0,        // none: request order, or pass order for uniform row tile counts
+  kLockstepMixedRuns = 1,  // mixed row tile counts, each pass on its own run of CTAs
+  kLockstepMixed = 2,      // mixed row tile counts, a group's passes on interleaved CTAs
+  kLockstepAll = 3,        // also uniform counts of >= 2 row tiles (instead of pass order)
+};
+
+// CTA `cta`'s walk from a table made for a `grid`-CTA launch; false when it has no share.
+// *cuts (if given): WalkStart::cuts.
+__host__ __device__ inline bool table_walk(const void* table, int grid, int cta,
+                                           const SchedUnits& u, WalkState& st,
+                                           int* cuts = nullptr) {
+  const auto* starts =
+      reinterpret_cast<const WalkStart*>(static_cast<const WalkTableHead*>(table) + 1);
+  const WalkStart s = starts[cta];
+  if (cuts != nullptr) *cuts = s.cuts;
+  if (s.workers <= 0) return false;
+  const auto* order = reinterpret_cast<const int32_t*>(starts + grid);
+  st = start_walk(u, s.worker, s.w0, s.workers, s.total, s.r, s.r_end, s.off, s.tile,
+                  s.mode & ~kWalkOrdered, (s.mode & kWalkOrdered) != 0 ? order : nullptr);
+  return true;
+}
+
+// Fills `out` (walk_table_bytes(grid, a.num_requests) bytes) with every CTA's start for a
+// `grid`-CTA launch, a's seq_lens / query_lens pointing to host memory: the lockstep sections
+// when a.pass_major asks for pass order and `lockstep` (a LockstepRule) takes the batch, else
+// what balanced_prologue finds on the device.
+inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int grid, void* out,
+                                int lockstep = kLockstepAll) {
   auto* head = static_cast<WalkTableHead*>(out);
   auto* starts = reinterpret_cast<WalkStart*>(head + 1);
+  auto* order = reinterpret_cast<int32_t*>(starts + grid);
   const SchedUnits u = sched_units(a, key_tile);
   int64_t total = 0, pairs = 0;
   int fewest = 0x7fffffff, most = 0;
@@ -383,30 +559,39 @@ inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int
   head->key_tile = key_tile;
   head->total = total;
   for (int w = 0; w < grid; ++w) starts[w] = WalkStart{};
+  for (int r = 0; r < a.num_requests; ++r) order[r] = r;
   if (total == 0) return;
   const int workers = balanced_workers(total, pairs, grid, u.min_worker);
-  const bool by_pass = a.pass_major && a.row_tiles > 1 && pass_order(a, fewest, most);
   head->workers = workers;
-  head->pass_major = by_pass ? 1 : 0;
-  // One cursor over the list (requests, or pairs in pass order) for the ascending shares.
-  int r = 0, t = 0;
-  int64_t off = 0;
-  for (int w = 0; w < workers; ++w) {
-    const int64_t lo = share_begin(w, total, workers);
-    for (;;) {
-      const int64_t n =
-          by_pass ? pair_units(a, rows, key_tile, u, r, t) : request_units(a, rows, key_tile, u, r);
-      if (lo < off + n) break;
-      off += n;
-      if (!by_pass) {
-        ++r;
-      } else if (++r == a.num_requests) {
-        r = 0;
-        ++t;
-      }
-    }
-    starts[w] = WalkStart{r, t, off};
+  if (a.pass_major && a.row_tiles > 1 && lockstep != kLockstepOff &&
+      (fewest != most || lockstep == kLockstepAll))
+    head->sections = lockstep_walk_table(a, rows, key_tile, u, workers, total,
+                                         lockstep != kLockstepMixedRuns, starts, order);
+  if (head->sections == 0) {
+    const bool by_pass = a.pass_major && a.row_tiles > 1 && pass_order(a, fewest, most);
+    walk_section_starts(a, rows, key_tile, u, nullptr, 0, a.num_requests,
+                        by_pass ? kWalkAllPasses : kWalkRequests, 0, total, 0, workers, 0, 1,
+                        starts);
   }
+  // The walk's pieces of cut pairs, replayed here (a few steps per worker).
+  int cuts = 0;
+  auto count = [&]<int ROWS, int KEY_TILE>() {
+    for (int b = 0; b < grid; ++b) {
+      WalkState st;
+      DecodeWork w;
+      if (table_walk(out, grid, b, u, st))
+        while (next_piece<ROWS, KEY_TILE>(a, st, false, w)) cuts += w.direct ? 0 : 1;
+    }
+  };
+  if (rows == 64 && key_tile == 64)
+    count.template operator()<64, 64>();
+  else if (rows == 64)
+    count.template operator()<64, 32>();
+  else if (rows == 32)
+    count.template operator()<32, 32>();
+  else
+    count.template operator()<16, 32>();
+  for (int b = 0; b < grid; ++b) starts[b].cuts = cuts;
 }
 
 #ifdef __CUDACC__
@@ -474,7 +659,8 @@ __device__ __forceinline__ int2 block_min_max(int lo, int hi, int64_t* warp_s) {
 // -5 us on an H100, with two once-per-piece loops in decode_attention.cu also not unrolled);
 // the other decode cases within +-1.5 us but plain fp8, 1-4 us slower on both H200s.
 template <int ROWS, int KEY_TILE>
-__device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s) {
+__device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* walk_s,
+                                                  int* merge_s) {
   __shared__ int64_t warp_sum_s[32];
   __shared__ int64_t start_s[3];  // the first pair (request, first unit, row tile)
   const int tid = int(threadIdx.x), nthreads = int(blockDim.x);
@@ -482,16 +668,11 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   if (a.walk_table != nullptr) {  // the host's table, made for this kernel's tiles
     __shared__ int live_s;
     if (tid == 0) {
-      const auto* head = static_cast<const WalkTableHead*>(a.walk_table);
-      const WalkTableHead h = *head;
-      const WalkStart s = reinterpret_cast<const WalkStart*>(head + 1)[blockIdx.x];
-      const int worker = int(blockIdx.x);
-      live_s = worker < h.workers ? 1 : 0;
-      if (worker < h.workers) {
-        const WalkState st =
-            start_walk(u, worker, h.workers, h.total, s.r, s.off, s.tile, h.pass_major != 0);
-        memcpy(walk_s, &st, sizeof(st));
-      }
+      WalkState st;
+      int cuts = 1;
+      live_s = table_walk(a.walk_table, int(gridDim.x), int(blockIdx.x), u, st, &cuts) ? 1 : 0;
+      if (live_s != 0) memcpy(walk_s, &st, sizeof(st));
+      *merge_s = cuts != 0 ? 1 : 0;
     }
     __syncthreads();
     return live_s != 0;
@@ -576,8 +757,9 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   }
   __syncthreads();
   if (tid == 0) {
-    const WalkState st = start_walk(u, worker, workers, total, int(start_s[0]), start_s[1],
-                                    int(start_s[2]), by_pass);
+    const WalkState st =
+        start_walk(u, worker, 0, workers, total, int(start_s[0]), a.num_requests, start_s[1],
+                   int(start_s[2]), by_pass ? kWalkAllPasses : kWalkRequests, nullptr);
     memcpy(walk_s, &st, sizeof(st));
   }
   __syncthreads();
@@ -610,9 +792,10 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
   const DecodeWork& work = *reinterpret_cast<const DecodeWork*>(work_s);
   __shared__ int64_t cut_s[2][sizeof(DecodeWork) / sizeof(int64_t)];  // fused_combine
   __shared__ int cuts_s;
+  __shared__ int merge_s;  // 0: the walk table says no pair is cut anywhere (no grid barrier)
   const int tid = int(threadIdx.x);
-  if (tid == 0) cuts_s = 0;  // (read after the barriers below)
-  const bool live = !a.balanced || balanced_prologue<ROWS, KEY_TILE>(a, walk_s);
+  if (tid == 0) cuts_s = 0, merge_s = 1;  // (read after the barriers below)
+  const bool live = !a.balanced || balanced_prologue<ROWS, KEY_TILE>(a, walk_s, &merge_s);
   while (live) {
     DecodeWork w;
     bool more;
@@ -635,7 +818,7 @@ __device__ __forceinline__ void for_each_decode_work(const DecodeArgs& a, Run&& 
     if (!a.balanced) break;  // one piece per CTA
     __syncthreads();  // the next piece reuses shared memory; the state is read after this
   }
-  if (a.fused_combine) {
+  if (a.fused_combine && merge_s != 0) {
     // Every worker's partials (and the grid's ws writes) are visible after the barrier.
     cooperative_groups::this_grid().sync();
     merge(reinterpret_cast<const DecodeWork*>(cut_s), cuts_s);

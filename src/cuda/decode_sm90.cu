@@ -718,6 +718,7 @@ DecodeSm90Options& current_options() {
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     o.one_copy = env_switch("KMLA_DECODE_SM90_ONE_COPY", o.one_copy);
+    o.min_rows = env_int_in("KMLA_DECODE_SM90_MIN_ROWS", o.min_rows, 0, kRows - 1);
     return o;
   }();
   return opt;
@@ -803,11 +804,19 @@ void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o
 
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
-  // 33-63 rows still take a 64-row tile in plan_decode; the kernel masks the missing rows,
-  // and even a 25 %-empty wgmma tile beats the mma.sync kernel there.
-  if (int64_t(p.heads) * plan.max_query_len <= kRows / 2) return false;
+  // Fewer than 64 rows take a 64-row tile too (plan_decode, decode_sm90_takes_rows); the
+  // kernel masks the missing rows.
+  if (int64_t(p.heads) * plan.max_query_len <= current_options().min_rows) return false;
   const CacheFormat f = p.cache.format;
   if (p.q_fp8 || !(f == CacheFormat::bf16 || f == CacheFormat::fp16)) return false;
+  int device = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  return sm90_kernel_runs_on(device);
+}
+
+bool decode_sm90_takes_rows(int rows, CacheFormat format, bool portable) {
+  if (portable || rows <= current_options().min_rows) return false;
+  if (!(format == CacheFormat::bf16 || format == CacheFormat::fp16)) return false;
   int device = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
   return sm90_kernel_runs_on(device);

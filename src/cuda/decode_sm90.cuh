@@ -15,10 +15,15 @@ inline constexpr int kDecodeSm90Keys = 64;
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
-// tiles with more than 32 rows per request (heads x max_query_len; a tile of 33-63 rows masks
-// the missing ones), a 16-bit cache and 16-bit queries (the fp8 formats stay on the mma.sync
-// kernel). Cached per device: no sync.
+// tiles with more than DecodeSm90Options::min_rows rows per request (heads x max_query_len;
+// a tile of fewer than 64 rows masks the missing ones), a 16-bit cache and 16-bit queries
+// (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
+
+// Whether plan_decode gives a request of `rows` (<= 32) rows the wgmma kernel's 64-row tile
+// instead of the mma.sync kernel's 16 / 32-row one: more than min_rows rows, a 16-bit
+// `format`, not portable, and the wgmma kernel runs on the current device.
+bool decode_sm90_takes_rows(int rows, CacheFormat format, bool portable);
 
 // Variants of the wgmma kernel that change its speed, never its result (A/B timing). The
 // defaults come from the environment, read once per process:
@@ -42,6 +47,10 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 //   KMLA_DECODE_SM90_ONE_COPY=0|1      with TMA and 64-key groups, a tile in one 4-D copy
 //                                      instead of one copy per 64-column panel (default 1:
 //                                      2-3 % on the 128 / 64-head shapes, H100, 2026-12-06)
+//   KMLA_DECODE_SM90_MIN_ROWS=n        plans give requests of more than n rows (0..63) the
+//                                      wgmma kernel's 64-row tile (a 16-bit cache on sm_90);
+//                                      fewer keep the mma.sync kernel's 16 / 32-row tiles
+//                                      (default 16, see plan_decode)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -50,6 +59,7 @@ struct DecodeSm90Options {
   bool issue_wg1 = true;
   bool early_issue = true;
   bool one_copy = true;  // block sizes that 64 divides: a tile in one 4-D tensor copy
+  int min_rows = 16;     // requests of more rows (heads x max_query_len) take 64-row tiles
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);

@@ -421,7 +421,7 @@ Plan Layer::Impl::plan(const BatchMetadata& md, const LatentCache& cache, const 
   // The wgmma prefill's work counter (PrefillParams::work_counter): zero in the image, and
   // every prefill launch of the step (in stream order) leaves it zero.
   d->off_prefill_counter = L.take(8);
-  d->off_walk = L.take(decode_walk_table_bytes(d->decode));
+  d->off_walk = L.take(decode_walk_table_bytes(d->decode, d->decode_requests));
   for (const ContextChunk& ch : md.context_chunks) {
     Plan::Data::Chunk c;
     c.start = ch.start;

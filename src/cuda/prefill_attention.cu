@@ -524,17 +524,6 @@ void prefill_attention_rows(const PrefillParams& p, int rows_per_cta, cudaStream
 
 namespace {
 
-// An integer in [lo, hi] from the environment; unset or empty: `fallback`.
-int env_int_in(const char* name, int fallback, int lo, int hi) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  KMLA_CHECK(*end == '\0' && v >= lo && v <= hi, name, " must be an integer in [", lo, ", ", hi,
-             "], got '", env, "'");
-  return int(v);
-}
-
 // KMLA_PREFILL_SM90=0 (read once per process) keeps prefill_attention on the mma.sync kernel
 // on sm_90 too; unset, empty or 1: the wgmma kernel where it runs.
 bool sm90_allowed_by_env() {

@@ -174,7 +174,7 @@ DecodeAttention::DecodeAttention(const BatchMetadata& md, const LatentCache& cac
   d.off_qlen = d.off_seq + align(R * 4);
   d.off_qstart = d.off_qlen + align(R * 4);
   d.off_walk = d.off_qstart + align((R + 1) * 4);
-  d.off_work = d.off_walk + align(decode_walk_table_bytes(d.plan));
+  d.off_work = d.off_walk + align(decode_walk_table_bytes(d.plan, d.requests));
   d.total = d.off_work + d.plan.workspace_bytes;
   d.image.assign(d.off_work, std::byte{0});
   auto put = [&](size_t off, size_t i, int32_t v) { std::memcpy(d.image.data() + off + i * 4, &v, 4); };

@@ -38,6 +38,7 @@
 
 #include "cpu/kernels.hpp"
 #include "cuda/attention.cuh"
+#include "cuda/decode_sched.cuh"
 #include "gpu.hpp"
 #include "kmla/config.hpp"
 #include "kmla/numeric.hpp"
@@ -295,78 +296,8 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
   const int max_seq = *std::max_element(dev_seq.begin(), dev_seq.end());
   const int expected_flag = c.bad_block_request >= 0 ? kErrBadBlockId : 0;
 
-  for (const PlanTweak& tweak : tweaks) {
-    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant, c.format);
-    if (!c.batch_invariant && !schedule_forced())  // what plan_decode picks here
-      EXPECT_EQ(plan.schedule, R > 1 ? DecodeSchedule::balanced : DecodeSchedule::per_request);
-    if (tweak.num_splits) {
-      plan.schedule = DecodeSchedule::per_request;
-      plan.num_splits = tweak.num_splits;
-    }
-    if (tweak.workers) {
-      plan.schedule = DecodeSchedule::balanced;
-      plan.num_workers = tweak.workers;
-    }
-    if (tweak.min_keys >= 0) plan.sched_min_keys = tweak.min_keys;
-    if (tweak.nosplit_keys >= 0) plan.sched_nosplit_keys = tweak.nosplit_keys;
-    if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
-    if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
-    if (tweak.pdl) plan.programmatic_combine = true;
-    if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
-    if (tweak.request_order) plan.pass_major = false;
-    if (tweak.fused >= 0) plan.fused_combine = tweak.fused != 0;
-    if (tweak.deep) {
-      if (!gpu_fits_deep_pipeline()) continue;
-      plan.deep_pipeline = true;
-    }
-    plan.workspace_bytes = decode_workspace_bytes(plan, R, H);
-    if (hooks.check_plan) hooks.check_plan(p, plan);
-    const bool balanced = plan.schedule == DecodeSchedule::balanced;
-    SCOPED_TRACE(::testing::Message()
-                 << hooks.label << (hooks.label.empty() ? "" : ", ")
-                 << (balanced ? "balanced, workers " : "per request, splits ")
-                 << (balanced ? plan.num_workers : plan.num_splits) << " (min "
-                 << plan.sched_min_keys << ", nosplit " << plan.sched_nosplit_keys << ", pair "
-                 << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
-                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
-                 << ", fp8 CTAs/SM " << plan.fp8_ctas_per_sm
-                 << (plan.pass_major ? "" : ", request order")
-                 << (plan.fused_combine ? ", fused combine" : ""));
-    DevBuf<uint8_t> d_ws(plan.workspace_bytes);
-    d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
-    d_out.fill_bytes(0xFF);
-    d_lse.fill_bytes(0xFF);
-    d_flag.fill_bytes(0);
-    // Balanced plans: the walk's starts made on the host, as the layer and the stage make
-    // them; the repeat below finds them on the device instead and must give the same bits.
-    DecodeParams pt = p;
-    std::vector<uint8_t> walk(decode_walk_table_bytes(plan));  // none for per-request plans
-    pt.walk_key_tile = decode_walk_table(plan, H, c.causal, c.format, R, dev_seq.data(),
-                                         dev_qlens.data(), walk.data());
-    DevBuf<uint8_t> d_walk(walk);
-    pt.walk_table = d_walk.ptr;  // (ignored with key tile 0)
-    if (hooks.run)
-      hooks.run(pt, plan, d_ws.ptr);
-    else
-      decode_attention(pt, plan, d_ws.ptr, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> out = d_out.download();
-    const std::vector<float> lse = d_lse.download();
-    EXPECT_EQ(d_flag.download()[0], expected_flag);
-    {
-      // Again on the same workspace (what the first run left there), the walk's starts found
-      // on the device: the kernels are deterministic and the starts the same, so the bits
-      // must repeat.
-      d_out.fill_bytes(0xFF);
-      d_lse.fill_bytes(0xFF);
-      decode_attention(p, plan, d_ws.ptr, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> lse2 = d_lse.download();
-      EXPECT_TRUE(d_out.download() == out &&
-                  std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)) == 0)
-          << "a second run on the same workspace gave other bits";
-    }
-
+  // The checks of one run: rows of no request untouched, every row against the oracle.
+  auto verify = [&](const std::vector<uint16_t>& out, const std::vector<float>& lse) {
     // Rows of no request stay poisoned.
     std::vector<bool> owned(size_t(dev_rows), false);
     for (int r = 0; r < R; ++r)
@@ -423,6 +354,87 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
       ++rr;
     }
     EXPECT_EQ(failures, 0) << "worst error / row magnitude " << worst;
+  };
+
+  for (const PlanTweak& tweak : tweaks) {
+    DecodePlan plan = plan_decode(R, H, max_qlen, max_seq, false, c.batch_invariant, c.format);
+    if (!c.batch_invariant && !schedule_forced())  // what plan_decode picks here
+      EXPECT_EQ(plan.schedule, R > 1 ? DecodeSchedule::balanced : DecodeSchedule::per_request);
+    if (tweak.num_splits) {
+      plan.schedule = DecodeSchedule::per_request;
+      plan.num_splits = tweak.num_splits;
+    }
+    if (tweak.workers) {
+      plan.schedule = DecodeSchedule::balanced;
+      plan.num_workers = tweak.workers;
+    }
+    if (tweak.min_keys >= 0) plan.sched_min_keys = tweak.min_keys;
+    if (tweak.nosplit_keys >= 0) plan.sched_nosplit_keys = tweak.nosplit_keys;
+    if (tweak.pair_keys >= 0) plan.sched_pair_keys = tweak.pair_keys;
+    if (tweak.rows_per_cta) plan.rows_per_cta = tweak.rows_per_cta;
+    if (tweak.pdl) plan.programmatic_combine = true;
+    if (tweak.fp8_ctas) plan.fp8_ctas_per_sm = tweak.fp8_ctas;
+    if (tweak.request_order) plan.pass_major = false;
+    if (tweak.fused >= 0) plan.fused_combine = tweak.fused != 0;
+    if (tweak.deep) {
+      if (!gpu_fits_deep_pipeline()) continue;
+      plan.deep_pipeline = true;
+    }
+    plan.workspace_bytes = decode_workspace_bytes(plan, R, H);
+    if (hooks.check_plan) hooks.check_plan(p, plan);
+    const bool balanced = plan.schedule == DecodeSchedule::balanced;
+    SCOPED_TRACE(::testing::Message()
+                 << hooks.label << (hooks.label.empty() ? "" : ", ")
+                 << (balanced ? "balanced, workers " : "per request, splits ")
+                 << (balanced ? plan.num_workers : plan.num_splits) << " (min "
+                 << plan.sched_min_keys << ", nosplit " << plan.sched_nosplit_keys << ", pair "
+                 << plan.sched_pair_keys << " keys), rows_per_cta " << plan.rows_per_cta
+                 << (plan.deep_pipeline ? ", deep" : "") << (c.batch_invariant ? ", invariant" : "")
+                 << ", fp8 CTAs/SM " << plan.fp8_ctas_per_sm
+                 << (plan.pass_major ? "" : ", request order")
+                 << (plan.fused_combine ? ", fused combine" : ""));
+    DevBuf<uint8_t> d_ws(plan.workspace_bytes);
+    d_ws.fill_bytes(0xFF);  // NaN partials: a split marked empty must not be read
+    d_out.fill_bytes(0xFF);
+    d_lse.fill_bytes(0xFF);
+    d_flag.fill_bytes(0);
+    // Balanced plans: the walk's starts made on the host, as the layer and the stage make
+    // them; the repeat below finds them on the device instead and must give the same bits.
+    DecodeParams pt = p;
+    std::vector<uint8_t> walk(decode_walk_table_bytes(plan, R));  // none for per-request plans
+    pt.walk_key_tile = decode_walk_table(plan, H, c.causal, c.format, R, dev_seq.data(),
+                                         dev_qlens.data(), walk.data());
+    DevBuf<uint8_t> d_walk(walk);
+    pt.walk_table = d_walk.ptr;  // (ignored with key tile 0)
+    if (hooks.run)
+      hooks.run(pt, plan, d_ws.ptr);
+    else
+      decode_attention(pt, plan, d_ws.ptr, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> out = d_out.download();
+    const std::vector<float> lse = d_lse.download();
+    EXPECT_EQ(d_flag.download()[0], expected_flag);
+    // Again on the same workspace (what the first run left there), the walk's starts found
+    // on the device: the kernels are deterministic and the starts the same, so the bits must
+    // repeat. A table with lockstep sections (mixed row tile counts, decode_sched.cuh) walks
+    // in another order than the device's own walk: then the oracle checks both runs.
+    const bool sectioned =
+        pt.walk_key_tile != 0 && reinterpret_cast<const WalkTableHead*>(walk.data())->sections > 0;
+    d_out.fill_bytes(0xFF);
+    d_lse.fill_bytes(0xFF);
+    decode_attention(p, plan, d_ws.ptr, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> out2 = d_out.download();
+    const std::vector<float> lse2 = d_lse.download();
+    if (!sectioned)
+      EXPECT_TRUE(out2 == out &&
+                  std::memcmp(lse2.data(), lse.data(), lse.size() * sizeof(float)) == 0)
+          << "a second run on the same workspace gave other bits";
+    verify(out, lse);
+    if (sectioned) {
+      SCOPED_TRACE("the device's own walk (no table)");
+      verify(out2, lse2);
+    }
   }
 }
 

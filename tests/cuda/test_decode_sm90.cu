@@ -33,8 +33,10 @@ bool expect_sm90() {
 // run_case (decode_harness.hpp) under every speed variant of the kernel
 // (DecodeSm90Options), which must all give the same answers; on an sm_90 GPU every plan must
 // take the wgmma kernel, and the TMA variant must really copy by TMA where the block size
-// allows it (on other GPUs the same cases test the mma.sync kernel).
-void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
+// allows it (on other GPUs the same cases test the mma.sync kernel). `min_rows`:
+// DecodeSm90Options::min_rows in every variant.
+void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
+                   int min_rows = DecodeSm90Options{}.min_rows) {
   const DecodeSm90Options saved = decode_sm90_options();
   struct Variant {
     const char* name;
@@ -50,7 +52,8 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks) {
     variants.push_back(
         {"cp.async, wide S, no rescale skip", {.skip_rescale = false, .tma = false}});
   }
-  for (const Variant& v : variants) {
+  for (Variant& v : variants) {
+    v.opt.min_rows = min_rows;
     decode_sm90_set_options(v.opt);
     CaseHooks hooks;
     hooks.label = v.name;
@@ -173,6 +176,35 @@ TEST(CudaDecodeSm90, FewRowsOddHeads) {
   run_case_sm90(c, kSm90Tweaks);
 }
 
+// 32 rows or fewer on the 64-row tile, most of it masked: 12 heads x 2 causal tokens (24 rows,
+// the K3 shape with one draft token, on the wgmma kernel by default), 16 x 2 (32) with
+// shorter queries mixed in, and under min_rows 0 one token of 16, 5 and 1 heads (16, 5 and 1
+// rows); lengths just off the tile and block ends, blocks of 16 and 64 keys.
+TEST(CudaDecodeSm90, FewRowsOnTheWideTile) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {1, 2, 63, 64, 65, 0, 129, 1000, 4100};
+  c.query_lens = {2, 2, 2, 2, 2, 0, 1, 2, 2};
+  c.seed = 41;
+  run_case_sm90(c, kSm90Tweaks);
+  c.heads = 16;
+  c.block_size = 64;
+  c.seq_lens = {2, 64, 65, 700, 3000, 1};
+  c.query_lens = {2, 1, 2, 2, 2, 1};
+  c.seed = 42;
+  run_case_sm90(c, kSm90Tweaks);
+  for (const int heads : {16, 5, 1}) {
+    c.heads = heads;
+    c.block_size = 64;
+    c.seq_lens = {1, 63, 64, 65, 0, 2049};
+    c.query_lens = {1, 1, 1, 1, 0, 1};
+    c.seed = 43 + uint64_t(heads);
+    run_case_sm90(c, kSm90Tweaks, 0);
+  }
+}
+
 // The DSpark draft: 8 heads x 8 non-causal tokens = one full 64-row tile per request, every
 // token sees the whole sequence; lengths just off the tile boundaries, block sizes 64, 32.
 TEST(CudaDecodeSm90, DraftNonCausal64Rows) {
@@ -229,9 +261,29 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   EXPECT_FALSE(decode_sm90_supports(fp8, plan));
   fp8.cache.format = CacheFormat::fp8_ds_mla;
   EXPECT_FALSE(decode_sm90_supports(fp8, plan));
+  // 17-32 rows: the 64-row tile too (DecodeSm90Options::min_rows, 16 by default); 16 or
+  // fewer keep the 16-row mma.sync kernel, and so do 17-32 under min_rows 32.
   p.heads = 16;
   plan = plan_decode(16, 16, 2, 4096, false);  // 32 rows
+  EXPECT_EQ(plan.rows_per_cta, sm90 ? 64 : 32);
+  EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
+  EXPECT_EQ(plan_decode(16, 16, 2, 4096, false, false, CacheFormat::fp8).rows_per_cta, 32);
+  plan = plan_decode(16, 16, 1, 4096, false);  // 16 rows
+  EXPECT_EQ(plan.rows_per_cta, 16);
   EXPECT_FALSE(decode_sm90_supports(p, plan));
+  const DecodeSm90Options saved = decode_sm90_options();
+  DecodeSm90Options o = saved;
+  o.min_rows = 32;
+  decode_sm90_set_options(o);
+  plan = plan_decode(16, 16, 2, 4096, false);
+  EXPECT_EQ(plan.rows_per_cta, 32);
+  EXPECT_FALSE(decode_sm90_supports(p, plan));
+  o.min_rows = 0;
+  decode_sm90_set_options(o);
+  plan = plan_decode(16, 16, 1, 4096, false);
+  EXPECT_EQ(plan.rows_per_cta, sm90 ? 64 : 16);
+  EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
+  decode_sm90_set_options(saved);
   plan = plan_decode(16, 16, 4, 4096, false);  // 64 rows
   EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
   // 33-63 rows: one masked 64-row tile (the speculative K3 shape: 12 heads x 4 tokens).
