@@ -2370,6 +2370,12 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   if (plan.rows_per_cta < kDecodeSm90Rows &&
       decode_sm90_takes_rows(max_query_len * heads, format, portable))
     plan.rows_per_cta = kDecodeSm90Rows;
+  // KMLA_DECODE_ROWS=16|32|64 (A/B runs): that row tile whatever the rows.
+  if (const int rows = env_int("KMLA_DECODE_ROWS", 0); rows != 0) {
+    KMLA_CHECK(rows == 16 || rows == 32 || rows == 64,
+               "decode: KMLA_DECODE_ROWS must be 16, 32 or 64, got ", rows);
+    plan.rows_per_cta = rows;
+  }
 
   int device = 0, sms = 0, smem_per_sm = 0, threads_per_sm = 0, smem_per_block = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
