@@ -81,6 +81,10 @@ TEST(CudaDecode, Fp8CacheFp8Queries) {
   c.query_lens = {2, 1, 2, 1, 0, 2};
   c.seed = 4;
   run_case(c, kSplitTweaks);
+  // The same 32-row requests on two 16-row tiles of the fragment path (balanced: in lockstep
+  // sections; per request: 3 splits).
+  c.seed = 5;
+  run_case(c, {{.rows_per_cta = 16}, {3, 16}, {.rows_per_cta = 16, .workers = 40}});
 }
 
 TEST(CudaDecode, Fp8CacheActQueries) {
@@ -1251,10 +1255,13 @@ void check_batch_invariance(const InvarianceWorld& w, uint64_t seed, bool every_
   if (every_tiling) {
     std::sort(rows_seen.begin(), rows_seen.end());
     rows_seen.erase(std::unique(rows_seen.begin(), rows_seen.end()), rows_seen.end());
-    // On sm_90 a 16-bit cache's 17-32 rows take the 64-row tile (decode_sm90_takes_rows).
-    const std::vector<int> tiles = decode_sm90_takes_rows(32, w.format, false)
-                                       ? std::vector<int>{16, 64}
-                                       : std::vector<int>{16, 32, 64};
+    // The tiles the default plans pick for 16, 32 and 64 rows of this format (on sm_90 a
+    // 16-bit cache's 32 rows take the 64-row tile, an fp8 format's two 16-row ones).
+    std::vector<int> tiles;
+    for (const int q : {1, 2, 4})
+      tiles.push_back(plan_decode(2, 16, q, 1000, false, false, w.format).rows_per_cta);
+    std::sort(tiles.begin(), tiles.end());
+    tiles.erase(std::unique(tiles.begin(), tiles.end()), tiles.end());
     EXPECT_EQ(rows_seen, tiles) << "not every default row tile was used";
   }
 }
@@ -1547,7 +1554,13 @@ TEST(CudaDecode, PlanFp8CtasPerSm) {
     EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false).fp8_ctas_per_sm, 2);  // no format
     EXPECT_EQ(plan_decode(128, 12, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // portable
     EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, ds).fp8_ctas_per_sm, 2);  // invariant
-    EXPECT_EQ(plan_decode(128, 32, 1, 8192, false, false, ds).fp8_ctas_per_sm, 2);  // 32 rows
+    EXPECT_EQ(plan_decode(128, 32, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // 32 rows
+    // 17-32 rows of fp8_ds_mla: two 16-row tiles of the three-CTA kernel (plain fp8: one
+    // 32-row tile for now).
+    const DecodePlan two_tiles = plan_decode(128, 16, 2, 8192, false, false, ds);
+    EXPECT_EQ(two_tiles.rows_per_cta, 16);
+    EXPECT_EQ(two_tiles.fp8_ctas_per_sm, fits ? 3 : 2);
+    EXPECT_EQ(plan_decode(128, 12, 2, 8192, false, false, CacheFormat::fp8).rows_per_cta, 32);
   }
   {
     ScopedEnv bad("KMLA_FP8_CTAS", "4");
