@@ -14,10 +14,11 @@
 //     the worker whose share holds the pair's midpoint takes all of it. The list runs
 //     request by request (r0 t0, r0 t1, r1 t0, ...) or, with DecodeArgs::pass_major when
 //     every request with rows has the same number (>= 2) of row tiles, pass by pass (r0 t0,
-//     r1 t0, ..., r0 t1, r1 t1, ...). With pass_major and mixed row tile counts, the walk
-//     table made on the host (balanced_walk_table) cuts the list into lockstep sections with
-//     their own workers instead, so that a request's row tiles still read each key tile at
-//     the same time; without a table that batch keeps request order.
+//     r1 t0, ..., r0 t1, r1 t1, ...). With pass_major and requests of several row tiles, the
+//     walk table made on the host (balanced_walk_table) cuts the list into lockstep sections
+//     with their own workers instead, so that a request's row tiles read each key tile at the
+//     same time on neighbouring CTAs, also when the row tile counts differ (without a table
+//     such a batch keeps request order).
 // Everything a worker computes comes from seq_lens / query_lens on the device (or from the
 // walk table the host made from the same lengths and uploaded with them) and the plan's
 // constants, so the launch stays fixed by the plan (CUDA graphs replay any lengths).
@@ -339,8 +340,9 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
         return true;
       }
     } else if (end > st.lo) {
-      const int w0 = st.w0 + worker_of(off, st.total, st.workers);
-      const int n = st.w0 + worker_of(end - 1, st.total, st.workers) - w0 + 1, s = st.worker - w0;
+      const int first = worker_of(off, st.total, st.workers);
+      const int w0 = st.w0 + first;
+      const int n = worker_of(end - 1, st.total, st.workers) - first + 1, s = st.worker - w0;
       // Units [u0, u1) of the pair map onto its key tiles proportionally (the start-up
       // charge spread over them), rounded to the nearest tile, so neighbouring pieces meet on
       // the same tile and a pair cut in halves gets two equal halves (rounding down gave a
@@ -434,14 +436,10 @@ inline void walk_section_starts(const DecodeArgs& a, int rows, int key_tile, con
 // how many, or 0 (nothing written) when the batch has no request of several row tiles, or when no
 // split of the workers keeps every share within 1/16 of total / workers (a group needs a worker per
 // pass; a lone long request among many short ones would get one worker per pass).
+// `most`: the most row tiles of a request.
 inline int lockstep_walk_table(const DecodeArgs& a, int rows, int key_tile, const SchedUnits& u,
-                               int workers, int64_t total, bool interleave, WalkStart* starts,
-                               int32_t* order) {
-  int most = 0;
-  for (int r = 0; r < a.num_requests; ++r) {
-    const int n = live_row_tiles(a, rows, r);
-    most = n > most ? n : most;
-  }
+                               int workers, int64_t total, int most, bool interleave,
+                               WalkStart* starts, int32_t* order) {
   if (most < 2) return 0;
   // Section kinds: n = 1 (the one-tile requests, one section in request order) and every n >= 2
   // with members (n passes). cost / least: the kind's costliest / cheapest section; m: workers
@@ -454,8 +452,9 @@ inline int lockstep_walk_table(const DecodeArgs& a, int rows, int key_tile, cons
   std::vector<std::vector<int64_t>> pass_units(size_t(most) + 1);
   for (int n = 1; n <= most; ++n)
     kinds[size_t(n)].n = n, pass_units[size_t(n)].assign(size_t(n), 0);
+  std::vector<int> row_tiles(size_t(a.num_requests));  // per request
   for (int r = 0; r < a.num_requests; ++r) {
-    const int n = live_row_tiles(a, rows, r);
+    const int n = row_tiles[size_t(r)] = live_row_tiles(a, rows, r);
     if (n == 0) continue;
     ++kinds[size_t(n)].members;
     for (int t = 0; t < n; ++t)
@@ -495,7 +494,7 @@ inline int lockstep_walk_table(const DecodeArgs& a, int rows, int key_tile, cons
     if (k.members == 0) continue;
     const int r0 = pos;
     for (int r = 0; r < a.num_requests; ++r)
-      if (live_row_tiles(a, rows, r) == n) order[pos++] = r;
+      if (row_tiles[size_t(r)] == n) order[pos++] = r;
     // A group's passes run on interleaved CTAs (pass t, share j on CTA w + j n + t) if
     // `interleave`, so a request's row tiles run on neighbouring CTAs; else each pass on its
     // own run of CTAs.
@@ -565,7 +564,7 @@ inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int
   head->workers = workers;
   if (a.pass_major && a.row_tiles > 1 && lockstep != kLockstepOff &&
       (fewest != most || lockstep == kLockstepAll))
-    head->sections = lockstep_walk_table(a, rows, key_tile, u, workers, total,
+    head->sections = lockstep_walk_table(a, rows, key_tile, u, workers, total, most,
                                          lockstep != kLockstepMixedRuns, starts, order);
   if (head->sections == 0) {
     const bool by_pass = a.pass_major && a.row_tiles > 1 && pass_order(a, fewest, most);
