@@ -2370,12 +2370,12 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   if (plan.rows_per_cta < kDecodeSm90Rows &&
       decode_sm90_takes_rows(max_query_len * heads, format, portable))
     plan.rows_per_cta = kDecodeSm90Rows;
-  // fp8_ds_mla's 17-32 rows: two 16-row tiles (the fragment path, decode_fp8_tiles; the walk
+  // fp8 caches' 17-32 rows: two 16-row tiles (the fragment path, decode_fp8_tiles; the walk
   // table runs a request's two tiles in lockstep on neighbouring CTAs) instead of the 32-row
   // kernel's conversion pass. Measured on H100 (2026-12-06, eighteenth session, (128, 12, 8k,
-  // q 2), us): 953 -> 589. Plain fp8 gained as much (645 -> 443) but keeps the 32-row tile
-  // until its two-tile fragment path has run its GPU tests (KMLA_DECODE_ROWS=16 selects it).
-  if (plan.rows_per_cta == 32 && !portable && format == CacheFormat::fp8_ds_mla)
+  // q 2), us): fp8_ds_mla 953 -> 589, plain fp8 645 -> 443.
+  if (plan.rows_per_cta == 32 && !portable &&
+      (format == CacheFormat::fp8 || format == CacheFormat::fp8_ds_mla))
     plan.rows_per_cta = 16;
   // KMLA_DECODE_ROWS=16|32|64 (A/B runs): that row tile whatever the rows.
   if (const int rows = env_int("KMLA_DECODE_ROWS", 0); rows != 0) {

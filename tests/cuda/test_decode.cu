@@ -81,10 +81,11 @@ TEST(CudaDecode, Fp8CacheFp8Queries) {
   c.query_lens = {2, 1, 2, 1, 0, 2};
   c.seed = 4;
   run_case(c, kSplitTweaks);
-  // The same 32-row requests on two 16-row tiles of the fragment path (balanced: in lockstep
-  // sections; per request: 3 splits).
+  // The default plan puts the 32-row requests on two 16-row tiles of the fragment path (in
+  // lockstep sections); per request with 3 splits, and on the 32-row conversion pass, which
+  // portable plans keep.
   c.seed = 5;
-  run_case(c, {{.rows_per_cta = 16}, {3, 16}, {.rows_per_cta = 16, .workers = 40}});
+  run_case(c, {{3, 16}, {.rows_per_cta = 16, .workers = 40}, {.rows_per_cta = 32}});
 }
 
 TEST(CudaDecode, Fp8CacheActQueries) {
@@ -1555,12 +1556,12 @@ TEST(CudaDecode, PlanFp8CtasPerSm) {
     EXPECT_EQ(plan_decode(128, 12, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // portable
     EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, true, ds).fp8_ctas_per_sm, 2);  // invariant
     EXPECT_EQ(plan_decode(128, 32, 1, 8192, true, false, ds).fp8_ctas_per_sm, 2);  // 32 rows
-    // 17-32 rows of fp8_ds_mla: two 16-row tiles of the three-CTA kernel (plain fp8: one
-    // 32-row tile for now).
+    // 17-32 rows of the fp8 caches: two 16-row tiles (fp8_ds_mla's of the three-CTA kernel).
     const DecodePlan two_tiles = plan_decode(128, 16, 2, 8192, false, false, ds);
     EXPECT_EQ(two_tiles.rows_per_cta, 16);
     EXPECT_EQ(two_tiles.fp8_ctas_per_sm, fits ? 3 : 2);
-    EXPECT_EQ(plan_decode(128, 12, 2, 8192, false, false, CacheFormat::fp8).rows_per_cta, 32);
+    EXPECT_EQ(plan_decode(128, 12, 2, 8192, false, false, CacheFormat::fp8).rows_per_cta, 16);
+    EXPECT_EQ(plan_decode(128, 12, 2, 8192, true, false, CacheFormat::fp8).rows_per_cta, 32);
   }
   {
     ScopedEnv bad("KMLA_FP8_CTAS", "4");

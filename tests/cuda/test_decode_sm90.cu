@@ -267,7 +267,7 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   plan = plan_decode(16, 16, 2, 4096, false);  // 32 rows
   EXPECT_EQ(plan.rows_per_cta, sm90 ? 64 : 32);
   EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
-  EXPECT_EQ(plan_decode(16, 16, 2, 4096, false, false, CacheFormat::fp8).rows_per_cta, 32);
+  EXPECT_EQ(plan_decode(16, 16, 2, 4096, false, false, CacheFormat::fp8).rows_per_cta, 16);
   EXPECT_EQ(plan_decode(16, 16, 2, 4096, false, false, CacheFormat::fp8_ds_mla).rows_per_cta, 16);
   plan = plan_decode(16, 16, 1, 4096, false);  // 16 rows
   EXPECT_EQ(plan.rows_per_cta, 16);
