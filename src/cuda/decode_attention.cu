@@ -2368,7 +2368,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // (decode_sm90_takes_rows, DecodeSm90Options::min_rows; KMLA_DECODE_SM90_MIN_ROWS=32 keeps
   // the 32-row kernel). Measured on H100: see docs/PERF.md, eighteenth session.
   if (plan.rows_per_cta < kDecodeSm90Rows &&
-      decode_sm90_takes_rows(max_query_len * heads, format, portable))
+      decode_sm90_takes_rows(max_query_len * heads, num_requests, format, portable))
     plan.rows_per_cta = kDecodeSm90Rows;
   // fp8 caches' 17-32 rows: two 16-row tiles (the fragment path, decode_fp8_tiles; the walk
   // table runs a request's two tiles in lockstep on neighbouring CTAs) instead of the 32-row

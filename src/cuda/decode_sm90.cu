@@ -158,6 +158,47 @@ __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint3
   wgmma_commit();
 }
 
+// ---- thin tiles: a piece of at most 32 rows (KernelFlags::thin_rows) -------------------
+// A request of 32 rows or fewer (12 heads x 2 tokens = 24, or 12 x 1 in a large batch,
+// decode_sm90_takes_rows) would compute as 64 rows on the wide tile. A thin tile puts the keys in
+// the MMAs' M instead: S^T = K Q^T (64 keys x N rows, N = 16 or 32) and O^T = V^T P^T (512 columns
+// x N rows), a quarter or a half of the wide tile's MMA work and no 64-row accumulators.
+
+// S^T of the tile at kt: st (64 keys x N rows) = K Q^T, 36 wgmma m64nNk16, both operands
+// K-major at the same offsets as the wide S (A the key tile, B Q's first N rows).
+template <class T, int N>
+__device__ __forceinline__ void issue_s_thin(float (&st)[N / 2], uint32_t q_s, uint32_t kt) {
+  const uint32_t q_lo = desc_lo(q_s, 16), k_lo = desc_lo(kt, 16);
+#pragma unroll
+  for (int kk = 0; kk < kLatentDim / 16; ++kk) {
+    const uint32_t off = ((kk >> 2) * kPanelBytes + (kk & 3) * 32) >> 4;
+    wgmma_ss_thin<T, N, false>(st, make_desc_halves(k_lo + off, kDescHi),
+                               make_desc_halves(q_lo + off, kDescHi), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O^T of warpgroup wg: ot (4 blocks of 64 columns, columns [256 wg, 256 wg + 256), x N rows)
+// += V^T P^T, 4 k-steps of 16 keys per block. A is V panel 4 wg + b read MN-major (the
+// panel's 128-byte rows are the M dim; 8-key groups 1024 B apart, the leading offset is never
+// used by one 64-wide block); B is P^T, N rows x 64 keys K-major in the P panel (+32 B per step).
+template <class T, int N>
+__device__ __forceinline__ void issue_pv_thin(float (&ot)[2 * N], uint32_t p_s, uint32_t kt,
+                                              int wg) {
+  const uint32_t p_lo = desc_lo(p_s, 16);
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const uint32_t v_lo = desc_lo(kt + (4 * wg + b) * kPanelBytes, kPanelBytes);
+    float(&ob)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&ot[b * N / 2]);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma_ss_thin<T, N, true>(ob,
+                                make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi),
+                                make_desc_halves(p_lo + 2 * kk, kDescHi), true);
+  }
+  wgmma_commit();
+}
+
 // The piece's number of 64-key tiles; an empty piece of a cut pair instead writes its LSE of
 // -inf (the combine then never reads its partial) and gets -1, and the caller returns.
 __device__ __forceinline__ int piece_tiles(const DecodeArgs& a, const DecodeWork& work) {
@@ -169,13 +210,14 @@ __device__ __forceinline__ int piece_tiles(const DecodeArgs& a, const DecodeWork
   return -1;
 }
 
-// Copies the piece's 64 query rows into the Q tile at q_s by cp.async (rows past the request
-// zero-filled; not committed) and returns the output row of local row 0.
-__device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork& work,
-                                          uint32_t q_s) {
+// Copies the piece's first `rows` (64, or a thin tile's N) query rows into the Q tile at q_s by
+// cp.async (rows past the request zero-filled; not committed) and returns the output row of
+// local row 0.
+__device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork& work, uint32_t q_s,
+                                          int rows) {
   const int64_t out_row0 = int64_t(a.query_start[work.r]) * a.heads + work.row0;
   const uint8_t* q = static_cast<const uint8_t*>(a.q) + out_row0 * kRowBytes;
-  for (int i = threadIdx.x; i < kRows * kRowChunks; i += kThreads) {
+  for (int i = threadIdx.x; i < rows * kRowChunks; i += kThreads) {
     const int row = i / kRowChunks, c = i % kRowChunks;
     const bool ok = work.row0 + row < work.nrows;
     cp_async16(q_s + tile_offset(row, c), ok ? q + row * kRowBytes + c * 16 : a.q, ok);
@@ -236,6 +278,56 @@ __device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWor
   }
 }
 
+// The end of a thin piece (layouts in sm90_piece): adds the row sums l (this thread's keys,
+// rows 8 j + 2 t + e at i = 2 j + e) over the lanes of a row and, through red_sum ([4 warps]
+// [32 rows]) and a __syncthreads, over warpgroup 0's warps; then normalises this thread's
+// part of its warpgroup's O^T and writes it, as finish_rows. m: warpgroup 0's final maxima.
+template <class T, int N>
+__device__ __forceinline__ void finish_thin(const DecodeArgs& a, const DecodeWork& work,
+                                            int64_t out_row0, const float (&ot)[2 * N], int wg,
+                                            int warp, int g, int t, const float (&m)[8],
+                                            float (&l)[8], float* red_sum) {
+  constexpr int R = N / 4;
+#pragma unroll
+  for (int x = 4; x <= 16; x <<= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) l[i] += __shfl_xor_sync(0xffffffffu, l[i], x);
+  }
+  if (wg == 0 && g == 0) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) red_sum[32 * warp + 8 * (i >> 1) + 2 * t + (i & 1)] = l[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+    if (work.row0 + row >= work.nrows) continue;
+    const float sum = red_sum[row] + red_sum[32 + row] + red_sum[64 + row] + red_sum[96 + row];
+    const bool empty = !(sum > 0.0f);
+    const float inv = empty ? 0.0f : a.v_scale / sum;
+    const float lse = empty ? kNegInf : (m[i] + __log2f(sum)) * kLn2;
+    const int64_t w = work.part + int64_t(row) * work.part_stride;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 64 * (4 * wg + b) + 16 * warp + g + 8 * h;
+        const float v = ot[b * N / 2 + 4 * (i >> 1) + 2 * h + (i & 1)] * inv;
+        if (work.direct)
+          static_cast<T*>(a.out)[(out_row0 + row) * kKvLoraRank + col] = from_float<T>(v);
+        else if (!empty)
+          a.ws_o[w * kKvLoraRank + col] = v;
+      }
+    }
+    if (wg == 0 && warp == 0 && g == 0) {
+      if (work.direct)
+        a.lse[out_row0 + row] = lse;
+      else
+        a.ws_lse[w] = lse;
+    }
+  }
+}
+
 #endif  // KMLA_SM90A
 
 // Runtime variants of the kernel (DecodeSm90Options, plus the timing-only profile mode),
@@ -252,6 +344,7 @@ struct KernelFlags {
   bool one_copy;
   bool issue_wg1;    // DecodeSm90Options::issue_wg1 (wide S only)
   bool early_issue;  // DecodeSm90Options::early_issue (TMA only)
+  int thin_rows;     // DecodeSm90Options::thin_rows (wide S only)
 };
 
 // ---- the kernel ---------------------------------------------------------------------
@@ -306,9 +399,11 @@ struct KernelFlags {
 // The kernel runs one piece of work (decode_sched.cuh) per call; under the balanced schedule a
 // CTA runs several in turn, so the TMA mbarriers are invalidated at the end of each piece and
 // initialised afresh (phase 0) by the next.
-template <class T, bool kWideS>
+template <class T, bool kWideS, int kThin>
 __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
                                            const KernelFlags& flags, const CUtensorMap& kmap) {
+  static_assert(kThin == 0 || (kWideS && (kThin == 16 || kThin == 32)), "thin tiles: 16 or 32");
+  constexpr int thin = kThin;
 #if KMLA_SM90A
   __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
   __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
@@ -336,7 +431,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   const int g = lane >> 2, t = lane & 3;
 
   const uint32_t q_s = base + kQOff;
-  const int64_t out_row0 = load_q(a, work, q_s);
+  const int64_t out_row0 = load_q(a, work, q_s, thin != 0 ? thin : kRows);
 
   // ---- key tile loader ----
   // Both forms (cp.async and TMA) load keys under the L2 evict_first policy. Measured on the
@@ -450,6 +545,120 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   float s[32];  // S of this thread: the first 16 for a half, all 32 for the wide S
   const uint32_t p_s = base + kPOff;
 
+  // Thin pieces (flags.thin_rows; the wide S's roles): warpgroup 0 computes S^T (keys x rows)
+  // and the softmax down the keys, each thread holding keys 16 warp + g (+ 8) of rows
+  // 8 j + 2 t + e (index i = 2 j + e); a row's max comes from its 8 lanes (shuffles) and the
+  // 4 warps (red_sum as [4][32], barrier 3). P^T (rows x keys, K-major) goes into the P panel,
+  // the factors into red_max as in the wide form, and each warpgroup keeps O^T of its 256
+  // columns in o[0, 2 N): block b, column 64 (4 wg + b) + 16 warp + g (+ 8), row as above.
+  float thin_m[8], thin_l[8];  // warpgroup 0: running max; partial sum of my keys
+  int thin_count[8];           // keys visible to my thin rows
+  if constexpr (thin != 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      thin_m[i] = kNegInf;
+      thin_l[i] = 0.0f;
+      thin_count[i] = key_count(row0 + 8 * (i >> 1) + 2 * t + (i & 1));
+    }
+  }
+  auto thin_tile = [&]<int N>(uint32_t kt, int stage, int tile, bool whole) {
+    constexpr int R = N / 4;  // my rows
+    float(&ot)[2 * N] = *reinterpret_cast<float(*)[2 * N]>(&o[0]);
+    float corr[R];
+    bool moved = false;
+    if (wg == 0) {
+      float(&st)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&s[0]);
+      wgmma_fence();
+      issue_s_thin<T, N>(st, q_s, kt);
+      wgmma_wait<0>();
+      fence_regs(st);
+      // st[4 j + 2 h + e]: key 16 warp + g + 8 h, row 8 j + 2 t + e.
+      if (!whole) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = 16 * warp + g + 8 * h;
+          const bool ok = key_ok_s[stage * kKeys + key];
+          const int kpos = key0 + tile * kKeys + key;
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            float& v = st[4 * (i >> 1) + 2 * h + (i & 1)];
+            v = ok && kpos < thin_count[i] ? v : kNegInf;
+          }
+        }
+      }
+      float mx[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+        mx[i] = fmaxf(st[4 * (i >> 1) + (i & 1)], st[4 * (i >> 1) + 2 + (i & 1)]);
+#pragma unroll
+      for (int x = 4; x <= 16; x <<= 1) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], x));
+      }
+      // Every lane stores its rows' maxima (the 8 lanes of a row the same value) and below
+      // every thread its rows' factors: stores under a lane condition here made ptxas serialise
+      // the wide tiles' wgmmas of the same kernel (C7520, "WG.AR in divergent path").
+#pragma unroll
+      for (int i = 0; i < R; ++i) red_sum[32 * warp + 8 * (i >> 1) + 2 * t + (i & 1)] = mx[i];
+      named_barrier(3, 128);
+      const float scale = a.score_scale_log2;
+      float mref[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+        const float m4 = fmaxf(fmaxf(red_sum[row], red_sum[32 + row]),
+                               fmaxf(red_sum[64 + row], red_sum[96 + row]));
+        const float mnew = fmaxf(thin_m[i], m4 * scale);
+        moved = moved || mnew != thin_m[i];
+        mref[i] = mnew == kNegInf ? 0.0f : mnew;  // no visible key yet: as in softmax
+        corr[i] = fast_exp2(thin_m[i] - mref[i]);
+        thin_m[i] = mnew;
+      }
+      uint8_t* const pt = smem + kPOff;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+        float sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& v = st[4 * (i >> 1) + 2 * h + (i & 1)];
+          v = fast_exp2(fmaf(v, scale, -mref[i]));
+          sum += v;
+          *reinterpret_cast<T*>(pt + swizzle128(row, 2 * warp + h) + 2 * g) = from_float<T>(v);
+        }
+        thin_l[i] = thin_l[i] * corr[i] + sum;
+      }
+      fence_proxy_async();  // my P^T stores -> both warpgroups' wgmma reads
+#pragma unroll
+      for (int i = 0; i < R; ++i) red_max[8 * (i >> 1) + 2 * t + (i & 1)] = corr[i];
+    }
+    auto rescale = [&] {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          ot[b * N / 2 + 4 * (i >> 1) + (i & 1)] *= corr[i];
+          ot[b * N / 2 + 4 * (i >> 1) + 2 + (i & 1)] *= corr[i];
+        }
+      }
+    };
+    if (wg == 0 && (!flags.skip_rescale || __any_sync(0xffffffffu, moved))) rescale();
+    named_barrier(2, kThreads);  // all of P^T and the factors are in
+    if (wg == 1) {
+      bool ne = false;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        corr[i] = red_max[8 * (i >> 1) + 2 * t + (i & 1)];
+        ne = ne || corr[i] != 1.0f;
+      }
+      if (!flags.skip_rescale || __any_sync(0xffffffffu, ne)) rescale();
+    }
+    wgmma_fence();
+    issue_pv_thin<T, N>(ot, p_s, kt, wg);
+    wgmma_wait<0>();
+    fence_regs(ot);
+  };
+
   const uint32_t full_bar_a = smem_u32(full_bar);  // computed once: off the loop's path
   for (int tile = 0; tile < ntiles; ++tile) {
     const int stage = tile & 1;
@@ -481,6 +690,10 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     // visible to the tile's first row, which sees the fewest (a causal row later in the
     // request sees more): the softmax then masks nothing.
     const bool whole = tma && !fix_s[stage] && key0 + (tile + 1) * kKeys <= count_first;
+    if constexpr (thin != 0) {
+      thin_tile.template operator()<thin>(kt, stage, tile, whole);
+      continue;
+    }
 
     // ---- S (half per warpgroup, or all of it on warpgroup 0), online softmax in base 2 ----
     float corr_lo = 1.0f, corr_hi = 1.0f;  // O rescale factors of my two rows
@@ -613,7 +826,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 
   // ---- finish: row sums of both warpgroups, normalise, write ----
   // With the wide S only warpgroup 0 tracks m; finish_rows takes the LSE from it alone.
-  finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_lo, l_hi, red_sum);
+  if constexpr (thin != 0) {
+    finish_thin<T, thin>(a, work, out_row0, *reinterpret_cast<float(*)[2 * thin]>(&o[0]), wg, warp,
+                         g, t, thin_m, thin_l, red_sum);
+  } else
+    finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_lo, l_hi, red_sum);
   if (tma && tid == 0) {  // every wait on full_bar of this piece is behind the barrier above
     mbar_inval(&full_bar[0]);
     mbar_inval(&full_bar[1]);
@@ -632,7 +849,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
   for_each_decode_work<kRows, kKeys>(
-      a, [&](const DecodeWork& w) { sm90_piece<T, kWideS>(a, w, flags, kmap); },
+      a,
+      [&](const DecodeWork& w) {
+        // A request of at most 16 rows as a thin tile. Not the last rows of a longer request:
+        // its thin piece outran the 64-row piece it runs in lockstep with, so the two stopped
+        // sharing their key reads in L2 (uniform q 6, 64 + 8 rows: 682 -> 796 us on an H100).
+        // (Thin pieces of 32 rows here too made ptxas serialise the wide tiles' wgmmas for want
+        // of registers, C7511: they have a kernel of their own, below.)
+        if (kWideS && w.row0 == 0 && w.nrows <= 16 && w.nrows <= flags.thin_rows)
+          sm90_piece<T, kWideS, kWideS ? 16 : 0>(a, w, flags, kmap);
+        else
+          sm90_piece<T, kWideS, 0>(a, w, flags, kmap);
+      },
+      [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(a, cuts, n); });
+}
+
+// Launches whose requests have 17-32 rows (KernelFlags::thin_rows): every piece as a thin tile
+// of N = 32 rows.
+template <class T, int N>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_sm90_thin_kernel(const DecodeArgs a, const KernelFlags flags,
+                            const __grid_constant__ CUtensorMap kmap) {
+  for_each_decode_work<kRows, kKeys>(
+      a, [&](const DecodeWork& w) { sm90_piece<T, true, N>(a, w, flags, kmap); },
       [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(a, cuts, n); });
 }
 
@@ -719,6 +958,9 @@ DecodeSm90Options& current_options() {
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     o.one_copy = env_switch("KMLA_DECODE_SM90_ONE_COPY", o.one_copy);
     o.min_rows = env_int_in("KMLA_DECODE_SM90_MIN_ROWS", o.min_rows, 0, kRows - 1);
+    o.thin_rows = env_int_in("KMLA_DECODE_SM90_THIN_ROWS", o.thin_rows, 0, 32);
+    o.small_min_requests =
+        env_int_in("KMLA_DECODE_SM90_SMALL_REQUESTS", o.small_min_requests, 0, 1 << 30);
     return o;
   }();
   return opt;
@@ -804,9 +1046,8 @@ void decode_sm90_set_options(const DecodeSm90Options& o) { current_options() = o
 
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   if (plan.portable || plan.batch_invariant || plan.rows_per_cta != kRows) return false;
-  // Fewer than 64 rows take a 64-row tile too (plan_decode, decode_sm90_takes_rows); the
-  // kernel masks the missing rows.
-  if (int64_t(p.heads) * plan.max_query_len <= current_options().min_rows) return false;
+  // Fewer than 64 rows take a 64-row plan too (plan_decode, decode_sm90_takes_rows): a thin
+  // tile at 32 rows or fewer, else a 64-row one whose missing rows are masked.
   const CacheFormat f = p.cache.format;
   if (p.q_fp8 || !(f == CacheFormat::bf16 || f == CacheFormat::fp16)) return false;
   int device = 0;
@@ -814,12 +1055,19 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   return sm90_kernel_runs_on(device);
 }
 
-bool decode_sm90_takes_rows(int rows, CacheFormat format, bool portable) {
-  if (portable || rows <= current_options().min_rows) return false;
+bool decode_sm90_takes_rows(int rows, int num_requests, CacheFormat format, bool portable) {
+  const DecodeSm90Options& o = current_options();
+  const bool small_batch_ok = o.small_min_requests > 0 && num_requests >= o.small_min_requests &&
+                              decode_sm90_thin_tile(rows) != 0;
+  if (portable || (rows <= o.min_rows && !small_batch_ok)) return false;
   if (!(format == CacheFormat::bf16 || format == CacheFormat::fp16)) return false;
   int device = 0;
   KMLA_CUDA_CHECK(cudaGetDevice(&device));
   return sm90_kernel_runs_on(device);
+}
+
+int decode_sm90_thin_tile(int max_rows) {
+  return max_rows > current_options().thin_rows ? 0 : max_rows <= 16 ? 16 : 32;
 }
 
 void launch_decode_sm90(DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream) {
@@ -829,14 +1077,15 @@ void launch_decode_sm90(DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream
     bool one_copy = false;
     const int group = tma_keys_for(a, act, kmap, one_copy);
     auto* kernel = o.wide_s ? decode_sm90_kernel<T, true> : decode_sm90_kernel<T, false>;
+    if (decode_sm90_thin_tile(a.max_rows) == 32) kernel = decode_sm90_thin_kernel<T, 32>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.
     KMLA_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemAlloc));
-    launch_split_kernel(
-        kernel, grid, kThreads, kSmemAlloc, stream, a,
-        KernelFlags{o.skip_rescale, profile_mode(), group, one_copy, o.issue_wg1, o.early_issue},
-        kmap);
+    launch_split_kernel(kernel, grid, kThreads, kSmemAlloc, stream, a,
+                        KernelFlags{o.skip_rescale, profile_mode(), group, one_copy, o.issue_wg1,
+                                    o.early_issue, o.thin_rows},
+                        kmap);
   });
 }
 

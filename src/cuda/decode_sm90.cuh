@@ -15,15 +15,16 @@ inline constexpr int kDecodeSm90Keys = 64;
 
 // Whether decode_attention runs `p` under `plan` with the wgmma kernel: an sm_90 GPU and a
 // binary with sm_90a code, plan not portable and not batch invariant, the plan's 64-row
-// tiles with more than DecodeSm90Options::min_rows rows per request (heads x max_query_len;
-// a tile of fewer than 64 rows masks the missing ones), a 16-bit cache and 16-bit queries
-// (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
+// tiles (plan_decode gives them to fewer rows per request through decode_sm90_takes_rows: a
+// thin tile at 32 rows or fewer, else a 64-row one that masks the missing rows), a 16-bit cache
+// and 16-bit queries (the fp8 formats stay on the mma.sync kernel). Cached per device: no sync.
 bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 
-// Whether plan_decode gives a request of `rows` (<= 32) rows the wgmma kernel's 64-row tile
-// instead of the mma.sync kernel's 16 / 32-row one: more than min_rows rows, a 16-bit
-// `format`, not portable, and the wgmma kernel runs on the current device.
-bool decode_sm90_takes_rows(int rows, CacheFormat format, bool portable);
+// Whether plan_decode gives requests of `rows` (<= 32) rows the wgmma kernel's 64-row plan
+// instead of the mma.sync kernel's 16 / 32-row one: more than min_rows rows, or a thin tile's
+// rows in a batch of at least small_min_requests requests; a 16-bit `format`, not portable, and
+// the wgmma kernel runs on the current device.
+bool decode_sm90_takes_rows(int rows, int num_requests, CacheFormat format, bool portable);
 
 // Variants of the wgmma kernel that change its speed, never its result (A/B timing). The
 // defaults come from the environment, read once per process:
@@ -51,6 +52,12 @@ bool decode_sm90_takes_rows(int rows, CacheFormat format, bool portable);
 //                                      wgmma kernel's 64-row tile (a 16-bit cache on sm_90);
 //                                      fewer keep the mma.sync kernel's 16 / 32-row tiles
 //                                      (default 16, see plan_decode)
+//   KMLA_DECODE_SM90_THIN_ROWS=0..32   launches of at most this many rows per request run
+//                                      thin tiles (keys in the MMAs' M, 16 or 32 rows in N)
+//                                      instead of the masked 64-row tile (default 32)
+//   KMLA_DECODE_SM90_SMALL_REQUESTS=n  batches of at least n requests give min_rows rows or
+//                                      fewer the 64-row plan too, as thin tiles (default 64;
+//                                      0: never)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -60,6 +67,15 @@ struct DecodeSm90Options {
   bool early_issue = true;
   bool one_copy = true;  // block sizes that 64 divides: a tile in one 4-D tensor copy
   int min_rows = 16;     // requests of more rows (heads x max_query_len) take 64-row tiles
+  // Requests of at most min(16, thin_rows) rows, and launches of at most thin_rows (0..32) rows
+  // per request, run as thin tiles (the wide S only): keys in the MMAs' M, rows in N (16 or 32),
+  // a quarter or half of the 64-row tile's MMA work.
+  int thin_rows = 32;
+  // Requests of min_rows rows or fewer take the 64-row plan too (as thin tiles) in batches of at
+  // least this many requests (0: never). Measured on an H100 (2026-12-06, nineteenth session):
+  // (128, 16, 4k) 209.0 -> 202.8 us, (128, 12, 8k) 399.3 -> 392.3, but (32, 12, 32k) +0.7 % and
+  // (1, 12, 64k) +2.4 %, where the 16-row kernel's two CTAs per SM start short pieces faster.
+  int small_min_requests = 64;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
@@ -69,6 +85,11 @@ void decode_sm90_set_options(const DecodeSm90Options& o);
 // the driver cannot encode; all compute the same); *one_copy (if given): whether a 64-key
 // group is one 4-D copy per tile (DecodeSm90Options::one_copy). For tests and diagnostics.
 int decode_sm90_tma_keys(const DecodeParams& p, bool* one_copy = nullptr);
+
+// The thin tile (16 or 32 rows) a launch of at most max_rows rows per request runs under the
+// current options, or 0 for the 64-row tile. (In a launch of longer requests, those of at most
+// 16 rows run as 16-row thin tiles too.)
+int decode_sm90_thin_tile(int max_rows);
 
 // Launches the wgmma split-KV kernel on the grid decode_attention builds for 64-row tiles
 // (per-request (ceil(max_rows / 64), num_splits, num_requests), balanced (num_workers)).

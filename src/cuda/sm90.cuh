@@ -378,6 +378,35 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
 #undef KMLA_SM90_MMA
 }
 
+// d (64 x N fp32, N = 16 or 32) = (accumulate ? d : 0) + A (64 x 16 through desc_a: MN-major
+// when kTransA, else K-major) x B (16 x N, K-major, through desc_b): the thin tiles' S^T = K Q^T
+// (A the key tile) and O^T = V^T P^T (A the V panel read transposed).
+template <class T, int N, bool kTransA>
+__device__ __forceinline__ void wgmma_ss_thin(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                              bool accumulate) {
+  static_assert(N == 16 || N == 32, "thin tiles are 16 or 32 rows");
+  constexpr bool kTransB = kTransA;  // KMLA_SM90_DISPATCH's switch: here it picks A's form
+#define KMLA_SM90_MMA(TY, TA)                                                           \
+  do {                                                                                  \
+    if constexpr (N == 16)                                                              \
+      asm volatile(                                                                     \
+          "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                \
+          " wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY                      \
+          " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, " TA ", 0;\n}\n"         \
+          : KMLA_SM90_ACC8(0)                                                           \
+          : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                            \
+    else                                                                                \
+      asm volatile(                                                                     \
+          "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"                                \
+          " wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KMLA_SM90_REGS16 \
+          ", %16, %17, p, 1, 1, " TA ", 0;\n}\n"                                        \
+          : KMLA_SM90_ACC16                                                             \
+          : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                            \
+  } while (0)
+  KMLA_SM90_DISPATCH(KMLA_SM90_MMA)
+#undef KMLA_SM90_MMA
+}
+
 #undef KMLA_SM90_DISPATCH
 #undef KMLA_SM90_ACC128
 #undef KMLA_SM90_ACC64

@@ -48,6 +48,8 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     variants.push_back(
         {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
     variants.push_back({"tma, a copy per panel", {.one_copy = false}});
+    variants.push_back({"tma, no thin tiles", {.thin_rows = 0}});
+    variants.push_back({"tma, thin tiles of 16 rows only", {.thin_rows = 16}});
     variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
     variants.push_back(
         {"cp.async, wide S, no rescale skip", {.skip_rescale = false, .tma = false}});
@@ -205,6 +207,63 @@ TEST(CudaDecodeSm90, FewRowsOnTheWideTile) {
   }
 }
 
+// Thin tiles (DecodeSm90Options::thin_rows, keys in the MMAs' M): launches of at most 32 rows
+// per request, 7 heads x 4 causal tokens (28 rows, N = 32; the tokens end on different keys) in
+// f16 from blocks of 32, 9 heads x 3 non-causal (27) from blocks of 100 (cp.async), and under
+// min_rows 0 5 heads x 3 causal (15 rows, N = 16) and 16 heads x 1; then 16-row thin pieces
+// next to 64-row ones in the wide kernel: one-token requests (12 and 16 rows) among 12 heads x
+// 6 causal tokens (64 + 8 rows, the last 8 on a masked 64-row tile) and 16 x 5 non-causal
+// (64 + 16). Lengths below the query length and just off the tile and block ends.
+// FewRowsOnTheWideTile runs 24 and 32 rows, OddHeadCountsPartialTiles 48 heads x 3.
+TEST(CudaDecodeSm90, ThinTiles) {
+  EXPECT_EQ(decode_sm90_thin_tile(28), 32);
+  EXPECT_EQ(decode_sm90_thin_tile(32), 32);
+  EXPECT_EQ(decode_sm90_thin_tile(15), 16);
+  EXPECT_EQ(decode_sm90_thin_tile(33), 0);
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 7;
+  c.format = CacheFormat::fp16;
+  c.act = DType::f16;
+  c.block_size = 32;
+  c.seq_lens = {3, 4, 5, 63, 64, 65, 66, 0, 129, 1000, 4100};
+  c.query_lens = {3, 4, 4, 4, 4, 4, 4, 0, 2, 4, 4};
+  c.seed = 51;
+  run_case_sm90(c, kSm90Tweaks);
+  c.heads = 9;
+  c.format = CacheFormat::bf16;
+  c.act = DType::bf16;
+  c.block_size = 100;
+  c.causal = false;
+  c.seq_lens = {3, 99, 100, 101, 0, 2049};
+  c.query_lens = {3, 3, 2, 3, 0, 3};
+  c.seed = 52;
+  run_case_sm90(c, kSm90Tweaks);
+  c.causal = true;
+  c.block_size = 64;
+  c.seq_lens = {3, 4, 63, 64, 65, 0, 2049};
+  for (const int heads : {5, 16}) {
+    c.heads = heads;
+    c.query_lens = {3, 3, 3, 3, 2, 0, 3};
+    if (heads == 16) c.query_lens = {1, 1, 1, 1, 1, 0, 1};
+    c.seed = 53 + uint64_t(heads);
+    run_case_sm90(c, kSm90Tweaks, 0);
+  }
+  c.heads = 12;
+  c.block_size = 16;
+  c.seq_lens = {6, 7, 63, 64, 65, 70, 0, 129, 1000, 4100};
+  c.query_lens = {6, 1, 6, 5, 1, 6, 0, 2, 6, 1};
+  c.seed = 71;
+  run_case_sm90(c, kSm90Tweaks);
+  c.heads = 16;
+  c.block_size = 64;
+  c.causal = false;
+  c.seq_lens = {5, 64, 65, 0, 700, 2049};
+  c.query_lens = {5, 1, 4, 0, 5, 1};
+  c.seed = 72;
+  run_case_sm90(c, kSm90Tweaks);
+}
+
 // The DSpark draft: 8 heads x 8 non-causal tokens = one full 64-row tile per request, every
 // token sees the whole sequence; lengths just off the tile boundaries, block sizes 64, 32.
 TEST(CudaDecodeSm90, DraftNonCausal64Rows) {
@@ -272,6 +331,12 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   plan = plan_decode(16, 16, 1, 4096, false);  // 16 rows
   EXPECT_EQ(plan.rows_per_cta, 16);
   EXPECT_FALSE(decode_sm90_supports(p, plan));
+  // ... but thin tiles in batches of at least small_min_requests (64) requests.
+  plan = plan_decode(64, 16, 1, 4096, false);
+  EXPECT_EQ(plan.rows_per_cta, sm90 ? 64 : 16);
+  EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
+  EXPECT_EQ(plan_decode(63, 16, 1, 4096, false).rows_per_cta, 16);
+  EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8).rows_per_cta, 16);
   const DecodeSm90Options saved = decode_sm90_options();
   DecodeSm90Options o = saved;
   o.min_rows = 32;
@@ -279,6 +344,9 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   plan = plan_decode(16, 16, 2, 4096, false);
   EXPECT_EQ(plan.rows_per_cta, 32);
   EXPECT_FALSE(decode_sm90_supports(p, plan));
+  o.small_min_requests = 0;
+  decode_sm90_set_options(o);
+  EXPECT_EQ(plan_decode(128, 16, 1, 4096, false).rows_per_cta, 16);
   o.min_rows = 0;
   decode_sm90_set_options(o);
   plan = plan_decode(16, 16, 1, 4096, false);
