@@ -164,6 +164,10 @@ __device__ __forceinline__ void issue_s_wide(float (&s)[32], uint32_t q_s, uint3
 // the MMAs' M instead: S^T = K Q^T (64 keys x N rows, N = 16 or 32) and O^T = V^T P^T (512 columns
 // x N rows), a quarter or a half of the wide tile's MMA work and no 64-row accumulators.
 
+// Local row of a thin tile's thread-row i (i = 2 j + e: row 8 j + 2 t + e, t = lane % 4): the
+// N column of its S^T and O^T accumulator values.
+__device__ __forceinline__ int thin_row(int i, int t) { return 8 * (i >> 1) + 2 * t + (i & 1); }
+
 // S^T of the tile at kt: st (64 keys x N rows) = K Q^T, 36 wgmma m64nNk16, both operands
 // K-major at the same offsets as the wide S (A the key tile, B Q's first N rows).
 template <class T, int N>
@@ -295,12 +299,12 @@ __device__ __forceinline__ void finish_thin(const DecodeArgs& a, const DecodeWor
   }
   if (wg == 0 && g == 0) {
 #pragma unroll
-    for (int i = 0; i < R; ++i) red_sum[32 * warp + 8 * (i >> 1) + 2 * t + (i & 1)] = l[i];
+    for (int i = 0; i < R; ++i) red_sum[32 * warp + thin_row(i, t)] = l[i];
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+    const int row = thin_row(i, t);
     if (work.row0 + row >= work.nrows) continue;
     const float sum = red_sum[row] + red_sum[32 + row] + red_sum[64 + row] + red_sum[96 + row];
     const bool empty = !(sum > 0.0f);
@@ -555,10 +559,10 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   int thin_count[8];           // keys visible to my thin rows
   if constexpr (thin != 0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < thin / 4; ++i) {  // my rows
       thin_m[i] = kNegInf;
       thin_l[i] = 0.0f;
-      thin_count[i] = key_count(row0 + 8 * (i >> 1) + 2 * t + (i & 1));
+      thin_count[i] = key_count(row0 + thin_row(i, t));
     }
   }
   auto thin_tile = [&]<int N>(uint32_t kt, int stage, int tile, bool whole) {
@@ -599,13 +603,13 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       // every thread its rows' factors: stores under a lane condition here made ptxas serialise
       // the wide tiles' wgmmas of the same kernel (C7520, "WG.AR in divergent path").
 #pragma unroll
-      for (int i = 0; i < R; ++i) red_sum[32 * warp + 8 * (i >> 1) + 2 * t + (i & 1)] = mx[i];
+      for (int i = 0; i < R; ++i) red_sum[32 * warp + thin_row(i, t)] = mx[i];
       named_barrier(3, 128);
       const float scale = a.score_scale_log2;
       float mref[R];
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+        const int row = thin_row(i, t);
         const float m4 = fmaxf(fmaxf(red_sum[row], red_sum[32 + row]),
                                fmaxf(red_sum[64 + row], red_sum[96 + row]));
         const float mnew = fmaxf(thin_m[i], m4 * scale);
@@ -617,7 +621,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       uint8_t* const pt = smem + kPOff;
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const int row = 8 * (i >> 1) + 2 * t + (i & 1);
+        const int row = thin_row(i, t);
         float sum = 0.0f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -630,7 +634,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       }
       fence_proxy_async();  // my P^T stores -> both warpgroups' wgmma reads
 #pragma unroll
-      for (int i = 0; i < R; ++i) red_max[8 * (i >> 1) + 2 * t + (i & 1)] = corr[i];
+      for (int i = 0; i < R; ++i) red_max[thin_row(i, t)] = corr[i];
     }
     auto rescale = [&] {
 #pragma unroll
@@ -648,7 +652,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       bool ne = false;
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        corr[i] = red_max[8 * (i >> 1) + 2 * t + (i & 1)];
+        corr[i] = red_max[thin_row(i, t)];
         ne = ne || corr[i] != 1.0f;
       }
       if (!flags.skip_rescale || __any_sync(0xffffffffu, ne)) rescale();
