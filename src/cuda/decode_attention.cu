@@ -217,7 +217,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 }
 
 // 4 e4m3 codes -> 4 T (the conversion pass's form: one hardware cvt per pair on sm_89+,
-// then for bf16 two f16 -> f32 and one packing f32x2 -> bf16x2 cvt; all exact).
+// then for bf16 two f16 -> f32 and the top halves of the two floats, a byte permute: every e4m3
+// value has a bf16 form, so no rounding is needed, and the packing cvt (on the conversion
+// unit, as the others) is one fewer; all exact).
 template <class T>
 __device__ __forceinline__ uint2 e4m3x4_to_act(uint32_t codes) {
   uint32_t w[2];
@@ -229,8 +231,7 @@ __device__ __forceinline__ uint2 e4m3x4_to_act(uint32_t codes) {
       w[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
     } else {
       const float2 f = __half22float2(__half2(h));
-      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-      w[i] = reinterpret_cast<const uint32_t&>(b);
+      w[i] = __byte_perm(__float_as_uint(f.x), __float_as_uint(f.y), 0x7632);
     }
   }
   return make_uint2(w[0], w[1]);
@@ -2368,7 +2369,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // (decode_sm90_takes_rows, DecodeSm90Options::min_rows; KMLA_DECODE_SM90_MIN_ROWS=32 keeps
   // the 32-row kernel). Measured on H100: see docs/PERF.md, eighteenth session.
   if (plan.rows_per_cta < kDecodeSm90Rows &&
-      decode_sm90_takes_rows(max_query_len * heads, num_requests, format, portable))
+      decode_sm90_takes_rows(max_query_len * heads, num_requests, max_seq_len, format, portable))
     plan.rows_per_cta = kDecodeSm90Rows;
   // fp8 caches' 17-32 rows: two 16-row tiles (the fragment path, decode_fp8_tiles; the walk
   // table runs a request's two tiles in lockstep on neighbouring CTAs) instead of the 32-row

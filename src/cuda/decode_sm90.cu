@@ -16,6 +16,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -502,13 +503,33 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
                             uint32_t(__popc(good_groups) * tma_keys * kRowBytes));
     }
     __syncwarp();  // the bytes are announced before any copy can complete
-    if (good) {    // a box per panel, or (one_copy) one of all nine
-      const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
-      const int copies = flags.one_copy ? 1 : kPanels;
+    const int copies = flags.one_copy ? 1 : kPanels;
+    if constexpr (thin == 0) {
+      if (good) {  // a box per panel, or (one_copy) one of all nine
+        const uint32_t dst = base + kKOff + stage * kTileBytes + lane_c * tma_keys * kPanelRowBytes;
 #pragma unroll 1
-      for (int pn = 0; pn < copies; ++pn)
-        tma_load_4d(dst + pn * kPanelBytes, &kmap, 0, decode_row_in_block(a, pos), pn, block,
-                    &full_bar[stage], l2_evict_first_policy());
+        for (int pn = 0; pn < copies; ++pn)
+          tma_load_4d(dst + pn * kPanelBytes, &kmap, 0, decode_row_in_block(a, pos), pn, block,
+                      &full_bar[stage], l2_evict_first_policy());
+      }
+    } else {
+      // Thin tiles: item i = (group i mod groups, panel i / groups) goes to lane i mod 32, so
+      // the 18-72 copies of 8-32-key groups leave the warp in one to three rounds instead of
+      // one lane issuing a group's nine in a row (block size 16 on an H200: (128, 12, 4k) 197 us
+      // on thin tiles against 158 on the 16-row kernel, 2026-12-06, twentieth session). (The
+      // same in the wide pieces made ptxas serialise the wide kernel's wgmmas, C7511.)
+      const int groups = kKeys / tma_keys, gshift = __ffs(groups) - 1;
+      const int row = decode_row_in_block(a, pos);
+#pragma unroll 1
+      for (int k = 0; k < 3; ++k) {
+        const int i = lane_c + 32 * k, gi = i & (groups - 1), pn = i >> gshift;
+        const int gblock = __shfl_sync(0xffffffffu, block, gi);
+        const int grow = __shfl_sync(0xffffffffu, row, gi);
+        if (pn < copies && (good_groups >> gi & 1u))
+          tma_load_4d(
+              base + kKOff + stage * kTileBytes + gi * tma_keys * kPanelRowBytes + pn * kPanelBytes,
+              &kmap, 0, grow, pn, gblock, &full_bar[stage], l2_evict_first_policy());
+      }
     }
   };
   auto fetch = [&](int tile) { return tma ? fetch_group(tile) : fetch_block(tile); };
@@ -965,6 +986,8 @@ DecodeSm90Options& current_options() {
     o.thin_rows = env_int_in("KMLA_DECODE_SM90_THIN_ROWS", o.thin_rows, 0, 32);
     o.small_min_requests =
         env_int_in("KMLA_DECODE_SM90_SMALL_REQUESTS", o.small_min_requests, 0, 1 << 30);
+    o.small_max_keys =
+        env_int_in("KMLA_DECODE_SM90_SMALL_MAX_KEYS", int(o.small_max_keys), 0, 1 << 30);
     return o;
   }();
   return opt;
@@ -1059,10 +1082,23 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan) {
   return sm90_kernel_runs_on(device);
 }
 
-bool decode_sm90_takes_rows(int rows, int num_requests, CacheFormat format, bool portable) {
+int64_t decode_sm90_small_max_keys() {
+  int device = 0, sms = 0, mem_khz = 0, bus_bits = 0;
+  KMLA_CUDA_CHECK(cudaGetDevice(&device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, device));
+  KMLA_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  // Peak DRAM bytes per second (double data rate) per SM.
+  const double per_sm = 2.0 * mem_khz * 1e3 * bus_bits / 8.0 / std::max(sms, 1);
+  return per_sm > 30e9 ? current_options().small_max_keys : std::numeric_limits<int64_t>::max();
+}
+
+bool decode_sm90_takes_rows(int rows, int num_requests, int64_t max_seq_len, CacheFormat format,
+                            bool portable) {
   const DecodeSm90Options& o = current_options();
   const bool small_batch_ok = o.small_min_requests > 0 && num_requests >= o.small_min_requests &&
-                              decode_sm90_thin_tile(rows) != 0;
+                              decode_sm90_thin_tile(rows) != 0 &&
+                              max_seq_len <= decode_sm90_small_max_keys();
   if (portable || (rows <= o.min_rows && !small_batch_ok)) return false;
   if (!(format == CacheFormat::bf16 || format == CacheFormat::fp16)) return false;
   int device = 0;

@@ -22,9 +22,10 @@ bool decode_sm90_supports(const DecodeParams& p, const DecodePlan& plan);
 
 // Whether plan_decode gives requests of `rows` (<= 32) rows the wgmma kernel's 64-row plan
 // instead of the mma.sync kernel's 16 / 32-row one: more than min_rows rows, or a thin tile's
-// rows in a batch of at least small_min_requests requests; a 16-bit `format`, not portable, and
-// the wgmma kernel runs on the current device.
-bool decode_sm90_takes_rows(int rows, int num_requests, CacheFormat format, bool portable);
+// rows in a batch of at least small_min_requests requests of at most small_max_keys keys; a
+// 16-bit `format`, not portable, and the wgmma kernel runs on the current device.
+bool decode_sm90_takes_rows(int rows, int num_requests, int64_t max_seq_len, CacheFormat format,
+                            bool portable);
 
 // Variants of the wgmma kernel that change its speed, never its result (A/B timing). The
 // defaults come from the environment, read once per process:
@@ -58,6 +59,8 @@ bool decode_sm90_takes_rows(int rows, int num_requests, CacheFormat format, bool
 //   KMLA_DECODE_SM90_SMALL_REQUESTS=n  batches of at least n requests give min_rows rows or
 //                                      fewer the 64-row plan too, as thin tiles (default 64;
 //                                      0: never)
+//   KMLA_DECODE_SM90_SMALL_MAX_KEYS=n  ... where no request has more than n keys, on GPUs
+//                                      with more than 30 GB/s of DRAM per SM (default 2048)
 // Tests set them through decode_sm90_set_options to run every variant.
 struct DecodeSm90Options {
   bool skip_rescale = true;
@@ -76,6 +79,14 @@ struct DecodeSm90Options {
   // (128, 16, 4k) 209.0 -> 202.8 us, (128, 12, 8k) 399.3 -> 392.3, but (32, 12, 32k) +0.7 % and
   // (1, 12, 64k) +2.4 %, where the 16-row kernel's two CTAs per SM start short pieces faster.
   int small_min_requests = 64;
+  // ... and, on a GPU that streams more than 30 GB/s of DRAM per SM (an H200: 37; an H100 SXM:
+  // 25), only where no request is longer than this many keys. Measured (2026-12-06, twentieth
+  // session, (128, 12, s), 16-row kernel / thin tiles, us): on an H200 s = 512 39.9 / 29.5, 1k
+  // 51.6 / 48.5, 2k 87.0 / 85.4, 4k 157.5 / 158.7, 8k 295.5 / 302.9 (the thin tile's compute
+  // chain, one tile at a time on one CTA per SM, shows once the DRAM streams a tile in ~2 us;
+  // the 16-row kernel's two CTAs per SM overlap theirs); on an H100 the thin tile wins at every
+  // length (4k 218.6 / 216.5, 8k 413.0 / 392.0).
+  int64_t small_max_keys = 2048;
 };
 DecodeSm90Options decode_sm90_options();
 void decode_sm90_set_options(const DecodeSm90Options& o);
@@ -85,6 +96,11 @@ void decode_sm90_set_options(const DecodeSm90Options& o);
 // the driver cannot encode; all compute the same); *one_copy (if given): whether a 64-key
 // group is one 4-D copy per tile (DecodeSm90Options::one_copy). For tests and diagnostics.
 int decode_sm90_tma_keys(const DecodeParams& p, bool* one_copy = nullptr);
+
+// The longest request (keys) with which a batch of small requests takes thin tiles on the
+// current device (DecodeSm90Options::small_max_keys, or no limit where the GPU streams at most
+// 30 GB/s of DRAM per SM). For tests and diagnostics.
+int64_t decode_sm90_small_max_keys();
 
 // The thin tile (16 or 32 rows) a launch of at most max_rows rows per request runs under the
 // current options, or 0 for the 64-row tile. (In a launch of longer requests, those of at most

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -210,7 +211,8 @@ TEST(CudaDecodeSm90, FewRowsOnTheWideTile) {
 // Thin tiles (DecodeSm90Options::thin_rows, keys in the MMAs' M): launches of at most 32 rows
 // per request, 7 heads x 4 causal tokens (28 rows, N = 32; the tokens end on different keys) in
 // f16 from blocks of 32, 9 heads x 3 non-causal (27) from blocks of 100 (cp.async), and under
-// min_rows 0 5 heads x 3 causal (15 rows, N = 16) and 16 heads x 1; then 16-row thin pieces
+// min_rows 0 5 heads x 3 causal (15 rows, N = 16) from blocks of 64 and 24 and 16 heads x 1;
+// then 16-row thin pieces
 // next to 64-row ones in the wide kernel: one-token requests (12 and 16 rows) among 12 heads x
 // 6 causal tokens (64 + 8 rows, the last 8 on a masked 64-row tile) and 16 x 5 non-causal
 // (64 + 16). Lengths below the query length and just off the tile and block ends.
@@ -249,6 +251,12 @@ TEST(CudaDecodeSm90, ThinTiles) {
     c.seed = 53 + uint64_t(heads);
     run_case_sm90(c, kSm90Tweaks, 0);
   }
+  // Groups of 8 keys (block size 24): 72 copies a tile, spread over three rounds of the lanes.
+  c.heads = 5;
+  c.block_size = 24;
+  c.query_lens = {3, 3, 3, 3, 2, 0, 3};
+  c.seed = 58;
+  run_case_sm90(c, kSm90Tweaks, 0);
   c.heads = 12;
   c.block_size = 16;
   c.seq_lens = {6, 7, 63, 64, 65, 70, 0, 129, 1000, 4100};
@@ -331,11 +339,17 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   plan = plan_decode(16, 16, 1, 4096, false);  // 16 rows
   EXPECT_EQ(plan.rows_per_cta, 16);
   EXPECT_FALSE(decode_sm90_supports(p, plan));
-  // ... but thin tiles in batches of at least small_min_requests (64) requests.
-  plan = plan_decode(64, 16, 1, 4096, false);
+  // ... but thin tiles in batches of at least small_min_requests (64) requests, of at most
+  // small_max_keys (2048) keys on GPUs with fast DRAM (an H200), of any length on others.
+  plan = plan_decode(64, 16, 1, 2048, false);
   EXPECT_EQ(plan.rows_per_cta, sm90 ? 64 : 16);
   EXPECT_EQ(decode_sm90_supports(p, plan), sm90);
-  EXPECT_EQ(plan_decode(63, 16, 1, 4096, false).rows_per_cta, 16);
+  EXPECT_EQ(plan_decode(63, 16, 1, 2048, false).rows_per_cta, 16);
+  const int64_t max_keys = decode_sm90_small_max_keys();
+  EXPECT_TRUE(max_keys == 2048 || max_keys == std::numeric_limits<int64_t>::max()) << max_keys;
+  const bool long_thin = sm90 && max_keys > 8192;
+  EXPECT_EQ(plan_decode(64, 16, 1, 2049, false).rows_per_cta, long_thin ? 64 : 16);
+  EXPECT_EQ(plan_decode(128, 12, 1, 8192, false).rows_per_cta, long_thin ? 64 : 16);
   EXPECT_EQ(plan_decode(128, 12, 1, 8192, false, false, CacheFormat::fp8).rows_per_cta, 16);
   const DecodeSm90Options saved = decode_sm90_options();
   DecodeSm90Options o = saved;
@@ -346,7 +360,7 @@ TEST(CudaDecodeSm90, DispatchPicksWgmmaFor128Heads) {
   EXPECT_FALSE(decode_sm90_supports(p, plan));
   o.small_min_requests = 0;
   decode_sm90_set_options(o);
-  EXPECT_EQ(plan_decode(128, 16, 1, 4096, false).rows_per_cta, 16);
+  EXPECT_EQ(plan_decode(128, 16, 1, 1024, false).rows_per_cta, 16);
   o.min_rows = 0;
   decode_sm90_set_options(o);
   plan = plan_decode(16, 16, 1, 4096, false);
