@@ -212,10 +212,10 @@ TEST(CudaDecodeSm90, FewRowsOnTheWideTile) {
 // per request, 7 heads x 4 causal tokens (28 rows, N = 32; the tokens end on different keys) in
 // f16 from blocks of 32, 9 heads x 3 non-causal (27) from blocks of 100 (cp.async), and under
 // min_rows 0 5 heads x 3 causal (15 rows, N = 16) from blocks of 64 and 24 and 16 heads x 1;
-// then 16-row thin pieces
-// next to 64-row ones in the wide kernel: one-token requests (12 and 16 rows) among 12 heads x
-// 6 causal tokens (64 + 8 rows, the last 8 on a masked 64-row tile) and 16 x 5 non-causal
-// (64 + 16). Lengths below the query length and just off the tile and block ends.
+// then 16-row thin pieces next to 64-row ones in the wide kernel: one-token requests (12 and 16
+// rows) among 12 heads x 6 causal tokens (64 + 8 rows, the last 8 on a masked 64-row tile) and
+// 16 x 5 non-causal (64 + 16). Lengths below the query length and just off the tile and block
+// ends.
 // FewRowsOnTheWideTile runs 24 and 32 rows, OddHeadCountsPartialTiles 48 heads x 3.
 TEST(CudaDecodeSm90, ThinTiles) {
   EXPECT_EQ(decode_sm90_thin_tile(28), 32);
