@@ -216,25 +216,39 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
-// 4 e4m3 codes -> 4 T (the conversion pass's form: one hardware cvt per pair on sm_89+,
-// then for bf16 two f16 -> f32 and the top halves of the two floats, a byte permute: every e4m3
-// value has a bf16 form, so no rounding is needed, and the packing cvt (on the conversion
-// unit, as the others) is one fewer; all exact).
+// 2 e4m3 codes (low 16 bits) -> 2 T, packed, exact. For bf16 the fp32 form of an e4m3
+// value has at most 3 mantissa bits, so its top 16 bits are the bf16 (NaN stays NaN).
+template <class T>
+__device__ __forceinline__ uint32_t e4m3x2_to_act(uint32_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  if constexpr (std::is_same_v<T, fp16>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    return __byte_perm(__float_as_uint(f.x), __float_as_uint(f.y), 0x7632);
+  }
+}
+
+// 2 fp8_ds_mla codes of one key (low 16 bits) with its group scale -> 2 T:
+// bf16(code * scale), then T.
+template <class T>
+__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    return reinterpret_cast<const uint32_t&>(b);
+  } else {
+    return pack2<fp16>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
+  }
+}
+
+// 4 e4m3 codes -> 4 T (the conversion pass's form: two pairs as above; for bf16 the top
+// halves of the floats are taken by a byte permute, not a packing cvt: one conversion-unit op
+// fewer per pair).
 template <class T>
 __device__ __forceinline__ uint2 e4m3x4_to_act(uint32_t codes) {
-  uint32_t w[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const __half2_raw h =
-        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes >> (16 * i)), __NV_E4M3);
-    if constexpr (std::is_same_v<T, fp16>) {
-      w[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
-    } else {
-      const float2 f = __half22float2(__half2(h));
-      w[i] = __byte_perm(__float_as_uint(f.x), __float_as_uint(f.y), 0x7632);
-    }
-  }
-  return make_uint2(w[0], w[1]);
+  return make_uint2(e4m3x2_to_act<T>(codes), e4m3x2_to_act<T>(codes >> 16));
 }
 
 // 8 e4m3 codes -> 8 T (the fp8 queries).
@@ -244,24 +258,11 @@ __device__ __forceinline__ uint4 e4m3x8_to_act(uint2 codes) {
   return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
-// 4 fp8_ds_mla codes -> 4 T: bf16(float(code) * scale), then T. For bf16 the one rounding
-// is the packing cvt (no round trip through float); f16 needs the bf16 rounding first.
+// 4 fp8_ds_mla codes -> 4 T (two pairs as above).
 template <class T>
 __device__ __forceinline__ uint2 e4m3x4_scaled_to_act(uint32_t codes, float scale) {
-  uint32_t w[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const __half2_raw h =
-        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes >> (16 * i)), __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    if constexpr (std::is_same_v<T, bf16>) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-      w[i] = reinterpret_cast<const uint32_t&>(b);
-    } else {
-      w[i] = pack2<fp16>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
-    }
-  }
-  return make_uint2(w[0], w[1]);
+  return make_uint2(e4m3x2_scaled_to_act<T>(codes, scale),
+                    e4m3x2_scaled_to_act<T>(codes >> 16, scale));
 }
 
 // 8 bf16 -> 8 T.
@@ -347,33 +348,6 @@ __device__ __forceinline__ int ds_p_exponent(float big, int c, bool rescaling) {
   const int e = int(__float_as_uint(big) >> 23) - 127;  // big in [2^e, 2^(e + 1))
   if (!(big > 0.0f) || (!rescaling && e + c >= 0 && e + c <= 14)) return c;
   return min(100, max(-100, 7 - e));
-}
-
-// 2 e4m3 codes (low 16 bits) -> 2 T, packed, exact. For bf16 the fp32 form of an e4m3
-// value has at most 3 mantissa bits, so its top 16 bits are the bf16 (NaN stays NaN).
-template <class T>
-__device__ __forceinline__ uint32_t e4m3x2_to_act(uint32_t codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
-  if constexpr (std::is_same_v<T, fp16>) {
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-  } else {
-    const float2 f = __half22float2(__half2(h));
-    return __byte_perm(__float_as_uint(f.x), __float_as_uint(f.y), 0x7632);
-  }
-}
-
-// 2 fp8_ds_mla codes of one key (low 16 bits) with its group scale -> 2 T:
-// bf16(code * scale), then T.
-template <class T>
-__device__ __forceinline__ uint32_t e4m3x2_scaled_to_act(uint32_t codes, float scale) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
-  if constexpr (std::is_same_v<T, bf16>) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-    return reinterpret_cast<const uint32_t&>(b);
-  } else {
-    return pack2<fp16>(round_to<bf16>(f.x * scale), round_to<bf16>(f.y * scale));
-  }
 }
 
 // 2 bf16 (packed) -> 2 T.
