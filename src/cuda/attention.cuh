@@ -135,10 +135,8 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
 // Workers of a balanced plan with `slots` CTA slots (SMs x CTAs per SM) for `num_requests`
 // requests: the largest multiple of num_requests that leaves at most 1/32 of the slots idle,
 // else every slot. A uniform batch then cuts every request into the same number of whole
-// pieces, one per worker, instead of pieces that straddle two requests. 64-row plans launch
-// that many workers (since 2026-12-05, eighth session); 16 / 32-row plans launch every slot
-// and their walk (table or device) takes that many for batches of alike requests and every
-// slot for the others (since 2026-12-06, twenty-first session). Measured on
+// pieces, one per worker, instead of pieces that straddle two requests. plan_decode uses it
+// for every tile height (64-row tiles since 2026-12-05, eighth session; see plan_decode). Measured on
 // H200 (2026-12-03, warp-own kernel, with the walk's nearest-tile cuts, against every slot,
 // alternated twice): (128, 16, 4k) 161.5 / 163.1 against 170.0 / 170.4 us; (128, 12, 8k) 308.5 /
 // 306.9 against 313.8 / 314.1; (32, 12, 32k) 306.6 / 311.1 against 318.0 / 315.1; plain fp8 (128,

@@ -2410,12 +2410,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
   // Balanced: one wave of workers on the CTA slots (264 on H200 for 16 / 32-row tiles, 132
-  // for 64-row ones). A batch of alike requests takes a multiple of the requests just below
-  // that when one is near (aligned_workers): it then cuts no request, so no row needs the
-  // combine and no CTA switches requests. 16 / 32-row plans launch every slot and the walk
-  // table picks the aligned count for alike batches and every CTA for the others
-  // (balanced_walk_table); 64-row plans launch the aligned count
-  // (decode_balanced_workers). For the 64-row (wgmma) kernel, measured on H100
+  // for 64-row ones), a multiple of the requests just below that when one is near
+  // (decode_balanced_workers): a uniform batch then cuts no request, so no row needs the
+  // combine and no CTA switches requests. For the 64-row (wgmma) kernel, measured on H100
   // (2026-12-05, eighth session, alternated): 128 workers in place of all 132 slots made
   // q 4 (128, 12, 8k) 436.8 -> 422.0 us, DSpark 235.8 -> 228.5, (64, 128, 8k) 331.5 ->
   // 320.9, (128, 128, 4k) 346.3 -> 339.9, (16, 128, 4k) 76.9 -> 69.6, and left the mixed
@@ -2430,10 +2427,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
                                               num_requests <= kDecodeBalancedMaxRequests;
   if (balanced && num_requests > 0) {
     plan.schedule = DecodeSchedule::balanced;
-    const int64_t grid = plan.rows_per_cta == 64 ? decode_balanced_workers(slots, num_requests)
-                                                 : std::min<int64_t>(slots, kMaxSplits);
-    plan.num_workers =
-        int(std::clamp<int64_t>(env_int("KMLA_DECODE_WORKERS", int(grid)), 1, kMaxSplits));
+    plan.num_workers = int(std::clamp<int64_t>(
+        env_int("KMLA_DECODE_WORKERS", int(decode_balanced_workers(slots, num_requests))), 1,
+        kMaxSplits));
     plan.sched_pair_keys = env_int("KMLA_DECODE_PAIR_KEYS", plan.sched_pair_keys);
     plan.sched_min_keys = env_int("KMLA_DECODE_MIN_KEYS", plan.sched_min_keys);
     plan.sched_nosplit_keys = env_int("KMLA_DECODE_NOSPLIT_KEYS", plan.sched_nosplit_keys);
@@ -2477,7 +2473,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
 }
 
 int64_t decode_balanced_workers(int64_t slots, int num_requests) {
-  return aligned_workers(int(std::min<int64_t>(slots, kMaxSplits)), num_requests);
+  if (num_requests <= 0 || num_requests > slots) return slots;
+  const int64_t aligned = slots / num_requests * num_requests;
+  return (slots - aligned) * 32 <= slots ? aligned : slots;
 }
 
 size_t decode_workspace_bytes(const DecodePlan& plan, int num_requests, int heads) {

@@ -220,16 +220,6 @@ __host__ __device__ inline int balanced_workers(int64_t total, int64_t pairs, in
   if (w > grid) w = grid;
   return int(w > 1 ? w : 1);
 }
-// The workers a balanced walk gives a batch of `requests` requests (padded slots included)
-// whose requests are alike, on a `grid`-CTA launch: the largest multiple of the requests up to
-// the grid when that leaves at most 1/32 of it idle (every request then runs as whole shares
-// of its own, so no pair is cut and nothing is merged), else the grid. Batches of unlike
-// requests cut pairs whatever the count, and take the whole grid (balanced_walk_table).
-__host__ __device__ inline int aligned_workers(int grid, int requests) {
-  if (requests <= 0 || requests > grid) return grid;
-  const int aligned = grid / requests * requests;
-  return (grid - aligned) * 32 <= grid ? aligned : grid;
-}
 // Worker w's share is [w * total / W, (w + 1) * total / W); the worker holding unit x is the
 // largest w with w * total / W <= x, i.e. ceil((x + 1) W / total) - 1.
 __host__ __device__ inline int64_t share_begin(int64_t w, int64_t total, int workers) {
@@ -555,16 +545,10 @@ inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int
   auto* starts = reinterpret_cast<WalkStart*>(head + 1);
   auto* order = reinterpret_cast<int32_t*>(starts + grid);
   const SchedUnits u = sched_units(a, key_tile);
-  int64_t total = 0, pairs = 0, first_units = -1;
-  bool alike = true;  // every request with rows costs the same
+  int64_t total = 0, pairs = 0;
   int fewest = 0x7fffffff, most = 0;
   for (int r = 0; r < a.num_requests; ++r) {
-    const int64_t units = request_units(a, rows, key_tile, u, r);
-    total += units;
-    if (units > 0) {
-      alike = alike && (first_units < 0 || units == first_units);
-      first_units = units;
-    }
+    total += request_units(a, rows, key_tile, u, r);
     const int n = live_row_tiles(a, rows, r);
     pairs += n;
     if (n > 0) fewest = n < fewest ? n : fewest, most = n > most ? n : most;
@@ -576,13 +560,7 @@ inline void balanced_walk_table(const DecodeArgs& a, int rows, int key_tile, int
   for (int w = 0; w < grid; ++w) starts[w] = WalkStart{};
   for (int r = 0; r < a.num_requests; ++r) order[r] = r;
   if (total == 0) return;
-  // Alike requests on as many workers as divide them (aligned_workers); unlike ones on every
-  // CTA: measured on H200 (2026-12-06, twenty-first session, 16-row kernel, alternated twice),
-  // the bench's mixed-length batch (128 requests of 4k-12k keys) ran 291.1 / 291.2 us on 264
-  // workers against 295.7 / 294.6 on 256, where the uniform batches lost 1-4 us on 264.
-  // (64-row plans launch the aligned count already: plan_decode.)
-  const int cap = alike && rows < 64 ? aligned_workers(grid, a.num_requests) : grid;
-  const int workers = balanced_workers(total, pairs, cap, u.min_worker);
+  const int workers = balanced_workers(total, pairs, grid, u.min_worker);
   head->workers = workers;
   if (a.pass_major && a.row_tiles > 1 && lockstep != kLockstepOff &&
       (fewest != most || lockstep == kLockstepAll))
@@ -701,13 +679,9 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   const int per = (a.num_requests + nthreads - 1) / nthreads;
   const int rb = min(a.num_requests, tid * per), re = min(a.num_requests, rb + per);
   int64_t mine = 0, mine_pairs = 0;
-  int least = 0x7fffffff, largest = 0;  // units of this thread's requests with rows
 #pragma unroll 1
   for (int r = rb; r < re; ++r) {
-    const int64_t units = request_units(a, ROWS, KEY_TILE, u, r);
-    mine += units;
-    if constexpr (ROWS < 64)
-      if (units > 0) least = min(least, int(units)), largest = max(largest, int(units));
+    mine += request_units(a, ROWS, KEY_TILE, u, r);
     mine_pairs += live_row_tiles(a, ROWS, r);
   }
   // The list's head: overwritten below by the thread that finds the worker's first pair (a
@@ -720,14 +694,7 @@ __device__ __forceinline__ bool balanced_prologue(const DecodeArgs& a, int64_t* 
   // warp_sum_s finish.
   __syncthreads();
   block_exclusive_sum(mine_pairs, warp_sum_s, pairs);
-  // Alike requests on the aligned count, others on every CTA (as balanced_walk_table; 64-row
-  // plans launch the aligned count already).
-  int cap = int(gridDim.x);
-  if constexpr (ROWS < 64) {
-    const int2 units_range = block_min_max(least, largest, warp_sum_s);
-    if (units_range.x == units_range.y) cap = aligned_workers(cap, a.num_requests);
-  }
-  const int workers = balanced_workers(total, pairs, cap, u.min_worker);
+  const int workers = balanced_workers(total, pairs, int(gridDim.x), u.min_worker);
   const int worker = int(blockIdx.x);
   if (worker >= workers) return false;
   const int64_t lo = share_begin(worker, total, workers);

@@ -255,7 +255,7 @@ TEST(CudaDecode, PlanPicksSplitsAndTiles) {
     const DecodePlan rows64 = plan_decode(64, 128, 1, 8192, false);
     ASSERT_EQ(rows16.rows_per_cta, 16);
     ASSERT_EQ(rows64.rows_per_cta, 64);
-    EXPECT_EQ(rows16.num_workers, 2 * sms);  // every slot; the walk aligns alike batches
+    EXPECT_EQ(rows16.num_workers, decode_balanced_workers(2 * int64_t(sms), 48));
     EXPECT_EQ(rows64.num_workers, decode_balanced_workers(sms, 64));
     // The combine of 64-row balanced plans is a programmatic dependent on sm_90; 16-row ones
     // launch it plainly.
@@ -481,16 +481,10 @@ DecodeArgs host_sched_args(const HostSchedCase& c, int rows) {
 
 // The worker count the device prologue takes for this batch: from its total units and its
 // live pairs (the prologue's two scans, a plain loop here).
-int host_workers(const DecodeArgs& a, int rows, int key_tile, int64_t total, int grid,
-                 const SchedUnits& u) {
-  int64_t pairs = 0, least = std::numeric_limits<int64_t>::max(), largest = 0;
-  for (int r = 0; r < a.num_requests; ++r) {
-    pairs += live_row_tiles(a, rows, r);
-    const int64_t units = request_units(a, rows, key_tile, u, r);
-    if (units > 0) least = std::min(least, units), largest = std::max(largest, units);
-  }
-  const int cap = least == largest && rows < 64 ? aligned_workers(grid, a.num_requests) : grid;
-  return balanced_workers(total, pairs, cap, u.min_worker);
+int host_workers(const DecodeArgs& a, int rows, int64_t total, int grid, const SchedUnits& u) {
+  int64_t pairs = 0;
+  for (int r = 0; r < a.num_requests; ++r) pairs += live_row_tiles(a, rows, r);
+  return balanced_workers(total, pairs, grid, u.min_worker);
 }
 
 // The walk table the layer uploads for case a on a `grid`-CTA launch (balanced_walk_table).
@@ -610,7 +604,7 @@ void check_host_schedule(const HostSchedCase& c, int lockstep = kLockstepAll) {
   const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
   const int64_t total = off[size_t(R)];
   if (total == 0) return;
-  const int workers = host_workers(a, ROWS, KEY_TILE, total, c.grid, u);
+  const int workers = host_workers(a, ROWS, total, c.grid, u);
   ASSERT_GE(workers, 1);
   ASSERT_LE(workers, c.grid);
   const std::vector<std::byte> walk = host_walk_table<ROWS, KEY_TILE>(a, c.grid, lockstep);
@@ -748,22 +742,11 @@ TEST(DecodeSched, WorkersAlignToTheRequests) {
   const DecodeArgs a = host_sched_args(c, 16);
   const SchedUnits u = sched_units(a, 32);
   const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
-  const int workers = host_workers(a, 16, 32, off[128], c.grid, u);
+  const int workers = host_workers(a, 16, off[128], c.grid, u);
   ASSERT_EQ(workers, 256);
   // Every request in two halves: 256 pieces of cut pairs, which the fused merge joins after
   // its grid barrier.
   EXPECT_EQ(table_cut_pieces(host_walk_table<16, 32>(a, c.grid)), 256);
-  // The 16-row plans' grid of every slot: the table and the device walk take the same 256
-  // workers for these alike requests, and every CTA once one request differs.
-  {
-    HostSchedCase all = c;
-    all.grid = 264;
-    check_host_schedule<16, 32>(all);
-    EXPECT_EQ(table_head(host_walk_table<16, 32>(host_sched_args(all, 16), 264)).workers, 256);
-    all.seq[5] = 4000;
-    check_host_schedule<16, 32>(all);
-    EXPECT_EQ(table_head(host_walk_table<16, 32>(host_sched_args(all, 16), 264)).workers, 264);
-  }
   for (int w = 0; w < workers; ++w) {
     int pieces = 0;
     walk_worker<16, 32>(a, u, w, workers, off[128], off, false, [&](const DecodeWork& piece) {
@@ -800,7 +783,7 @@ TEST(DecodeSched, ShortRequestsGetAWorkerEach) {
         const DecodeArgs a = host_sched_args(c, ROWS);
         const SchedUnits u = sched_units(a, KEY_TILE);
         const std::vector<int64_t> off = request_offsets<ROWS, KEY_TILE>(a, u);
-        const int workers = host_workers(a, ROWS, KEY_TILE, off.back(), c.grid, u);
+        const int workers = host_workers(a, ROWS, off.back(), c.grid, u);
         EXPECT_GE(workers, live);
         std::vector<int> runs(size_t(c.seq.size()), 0);
         for (int w = 0; w < workers; ++w) {
@@ -843,7 +826,7 @@ TEST(DecodeSched, MixedBenchBatchIsBalanced) {
   const SchedUnits u = sched_units(a, 32);
   const std::vector<int64_t> off = request_offsets<16, 32>(a, u);
   const int64_t total = off[128];
-  const int workers = host_workers(a, 16, 32, total, 264, u);
+  const int workers = host_workers(a, 16, total, 264, u);
   EXPECT_EQ(workers, 264);
   int64_t most = 0, sum = 0;
   for (int w = 0; w < workers; ++w) {
@@ -899,7 +882,7 @@ TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
     const SchedUnits u = sched_units(a, 64);
     const std::vector<int64_t> off = request_offsets<64, 64>(a, u);
     const int64_t total = off.back();
-    const int workers = host_workers(a, 64, 64, total, c.grid, u);
+    const int workers = host_workers(a, 64, total, c.grid, u);
     ASSERT_EQ(workers % a.row_tiles, 0);
     const int group = workers / a.row_tiles;
     std::vector<std::vector<WalkPiece>> walks(static_cast<size_t>(workers));
