@@ -2010,7 +2010,8 @@ __device__ __forceinline__ void uv_latent_row(const DecodeArgs& a, int64_t t, in
 template <class T>
 __global__ void __launch_bounds__(kUvThreads) decode_uv_kernel(const DecodeArgs a, const UvArgs u) {
   extern __shared__ __align__(16) std::byte uv_smem[];
-  __shared__ __align__(8) uint64_t w_bar;       // multicast: W_UV[h]'s bytes have landed
+  [[maybe_unused]] __shared__ __align__(8)
+      uint64_t w_bar;                            // multicast: W_UV[h]'s bytes have landed
   T* const a_s = reinterpret_cast<T*>(uv_smem);  // [16][kUvAStride] latent rows
   T* const w_s = a_s + kUvTokens * kUvAStride;   // [512][kUvWStride] W_UV[h]
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;

@@ -408,8 +408,8 @@ template <class T, bool kWideS, int kThin>
 __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
                                            const KernelFlags& flags, const CUtensorMap& kmap) {
   static_assert(kThin == 0 || (kWideS && (kThin == 16 || kThin == 32)), "thin tiles: 16 or 32");
-  constexpr int thin = kThin;
 #if KMLA_SM90A
+  constexpr int thin = kThin;
   __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
   __shared__ uint8_t fix_s[2];                   // TMA: the stage's tile has keys not ok
   extern __shared__ uint8_t smem_raw[];
