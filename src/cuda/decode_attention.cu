@@ -2406,8 +2406,19 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   if (one_wave && env_int("KMLA_DECODE_EVEN_SPLITS", 1) != 0) {
     const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
     const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
+    // A split takes at least kMinKeysPerSplit keys, or half that on the 16-row kernel over a
+    // 16-bit cache when the request splits anyway and the grid then stays within one CTA per
+    // SM: a short request's few CTAs keep too few tiles in flight to fill the DRAM queues. One
+    // 16K-key request at 12 heads (H100, twenty-fourth session, two rounds): 64 splits of 8
+    // tiles 22.1 us, 128 of 4 18.7, 256 of 2 20.4 (4K and 8K, the other lengths this
+    // changes, are not measured yet). KMLA_DECODE_MIN_SPLIT_TILES=N sets the minimum (A/B).
+    int64_t min_tiles = kMinKeysPerSplit / kKeyTile;
+    if (plan.rows_per_cta == 16 && (format == CacheFormat::bf16 || format == CacheFormat::fp16) &&
+        tiles > min_tiles && ctas * ceil_div(tiles, min_tiles / 2) <= sms)
+      min_tiles /= 2;
+    min_tiles = env_int("KMLA_DECODE_MIN_SPLIT_TILES", int(min_tiles));
     const int64_t per_split =
-        std::max<int64_t>(kMinKeysPerSplit / kKeyTile, ceil_div(tiles, per_wave));
+        std::max<int64_t>(std::max<int64_t>(min_tiles, 1), ceil_div(tiles, per_wave));
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
   // Balanced: one wave of workers on the CTA slots (264 on H200 for 16 / 32-row tiles, 132

@@ -1881,6 +1881,27 @@ TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
     if (!std::getenv("KMLA_DECODE_PDL") && !schedule_forced())
       EXPECT_EQ(plan.programmatic_combine, major >= 9);
   }
+  // Shorter requests on a 16-bit cache take splits of 4 tiles (128 keys) while that keeps the
+  // grid within one CTA per SM, and of 8 beyond; fp8 caches and one-split requests keep 8.
+  if (std::getenv("KMLA_DECODE_EVEN_SPLITS") || std::getenv("KMLA_DECODE_MIN_SPLIT_TILES") ||
+      schedule_forced())
+    return;
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  for (int64_t seq : {int64_t(4096), int64_t(16384), int64_t(16385), int64_t(32768)}) {
+    SCOPED_TRACE(::testing::Message() << "seq " << seq);
+    const int64_t tiles = (seq + 31) / 32;
+    const int64_t quarter = (tiles + 3) / 4;
+    const DecodePlan plan = plan_decode(1, 12, 1, seq, false);
+    if (quarter <= sms)
+      EXPECT_EQ(plan.num_splits, quarter);
+    else
+      EXPECT_LE(plan.num_splits, (tiles + 7) / 8);  // at least 8 tiles a split
+    const DecodePlan fp8 = plan_decode(1, 12, 1, seq, false, false, CacheFormat::fp8);
+    EXPECT_LE(fp8.num_splits, (tiles + 7) / 8);
+  }
+  EXPECT_EQ(plan_decode(1, 12, 1, 256, false).num_splits, 1);  // 8 tiles: no split
 }
 
 // ---- the wgmma kernel's copy issue (DecodeSm90Options::issue_wg1, early_issue) ------------
