@@ -2417,8 +2417,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
         tiles > min_tiles && ctas * ceil_div(tiles, min_tiles / 2) <= sms)
       min_tiles /= 2;
     min_tiles = env_int("KMLA_DECODE_MIN_SPLIT_TILES", int(min_tiles));
-    const int64_t per_split =
-        std::max<int64_t>(std::max<int64_t>(min_tiles, 1), ceil_div(tiles, per_wave));
+    const int64_t per_split = std::max({int64_t(1), min_tiles, ceil_div(tiles, per_wave)});
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
   // Balanced: one wave of workers on the CTA slots (264 on H200 for 16 / 32-row tiles, 132

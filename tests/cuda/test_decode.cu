@@ -1868,16 +1868,16 @@ TEST(CudaDecodeCombine, GraphReplayOtherLengths) {
 // ceil(tiles / splits) tiles), and on sm_90 the combine is launched early (PDL).
 TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
   KMLA_REQUIRE_GPU();
+  int device = 0, major = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
   for (int64_t seq : {int64_t(65536), int64_t(1) << 20, int64_t(100000)}) {
     SCOPED_TRACE(::testing::Message() << "seq " << seq);
     const DecodePlan plan = plan_decode(1, 12, 1, seq, false);
     const int64_t tiles = (seq + 31) / 32, per = (tiles + plan.num_splits - 1) / plan.num_splits;
     if (!std::getenv("KMLA_DECODE_EVEN_SPLITS"))
       EXPECT_LT((plan.num_splits - 1) * per, tiles) << plan.num_splits << " splits";
-    int device = 0, major = 0;
-    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-              cudaSuccess);
     if (!std::getenv("KMLA_DECODE_PDL") && !schedule_forced())
       EXPECT_EQ(plan.programmatic_combine, major >= 9);
   }
@@ -1886,9 +1886,6 @@ TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
   if (std::getenv("KMLA_DECODE_EVEN_SPLITS") || std::getenv("KMLA_DECODE_MIN_SPLIT_TILES") ||
       schedule_forced())
     return;
-  int device = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
   for (int64_t seq : {int64_t(4096), int64_t(16384), int64_t(16385), int64_t(32768)}) {
     SCOPED_TRACE(::testing::Message() << "seq " << seq);
     const int64_t tiles = (seq + 31) / 32;
