@@ -2143,8 +2143,9 @@ int rows_per_cta_for(int rows_per_request) {
 //   128 req x 16 heads -> 2 splits (256 of 264 slots);  32 x 12 heads, 32K keys -> 8 (256);
 //   4 x 12 heads, 256K keys -> 64 (256);  1 x 12 heads, 64K keys -> 247, 1M -> 255.
 // (With the deep pipeline, 1 slot per SM: 1, 4, 32 and 128.) plan_decode then evens the
-// splits of a one-wave grid out (64K: 256, 1M: 263), and there lets a short 16-bit request's
-// splits go down to half of kMinKeysPerSplit (16K: 64 -> 128 splits), measured faster.
+// splits of a one-wave grid out (64K: 256, 1M: 263), and on the 16-row kernels gives a
+// request of up to 64 tiles per SM (8 for fp8 caches) one split per SM instead, of as few
+// tiles as that takes (4K: 128 splits of one tile, 64K: 128 of 16), measured faster.
 int choose_num_splits(int64_t ctas, int64_t max_seq_len, int64_t slots) {
   if (ctas <= 0) return 1;
   const int max_splits = int(std::clamp<int64_t>(max_seq_len / kMinKeysPerSplit, 1, kMaxSplits));
@@ -2406,21 +2407,34 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   const bool one_wave = ctas > 0 && ctas * plan.num_splits <= slots;
   if (one_wave && env_int("KMLA_DECODE_EVEN_SPLITS", 1) != 0) {
     const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
+    const int64_t min_tiles = kMinKeysPerSplit / kKeyTile;
     const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
-    // A split takes at least kMinKeysPerSplit keys, or half that on the 16-row kernel over a
-    // 16-bit cache when the request splits anyway and the grid then stays within one CTA per
-    // SM: a short request's few CTAs keep too few tiles in flight to fill the DRAM queues. One
-    // 16K-key request at 12 heads (H100, twenty-fourth session, two rounds): 64 splits of 8
-    // tiles 22.1 us, 128 of 4 18.7, 256 of 2 20.4 (4K and 8K, the other lengths this
-    // changes, are not measured yet). KMLA_DECODE_MIN_SPLIT_TILES=N sets the minimum (A/B).
-    int64_t min_tiles = kMinKeysPerSplit / kKeyTile;
-    if (plan.rows_per_cta == 16 && (format == CacheFormat::bf16 || format == CacheFormat::fp16) &&
-        tiles > min_tiles && ctas * ceil_div(tiles, min_tiles / 2) <= sms)
-      min_tiles /= 2;
-    min_tiles = env_int("KMLA_DECODE_MIN_SPLIT_TILES", int(min_tiles));
-    const int64_t per_split = std::max({int64_t(1), min_tiles, ceil_div(tiles, per_wave)});
+    int64_t per_split = std::max({int64_t(1), min_tiles, ceil_div(tiles, per_wave)});
+    // One CTA per SM. On the 16-row kernels (not the portable ones: unmeasured) a request
+    // that splits anyway runs faster as one split per SM, of as few tiles as that takes
+    // (down to one), than as two per SM of at least 8 tiles: a short request's few CTAs kept
+    // too few tiles in flight, and for a long one half as many partials save more than the
+    // second CTA per SM gains, up to 64 tiles a split over a 16-bit cache and 8 over an fp8
+    // one. One request at 12 heads, H100 (2026-12-07, twenty-fifth session, two rounds;
+    // docs/PERF.md), us, before -> now:
+    //   bf16        4K 16.0 -> 13.5 (32 -> 128 splits), 8K 16.5 -> 15.3, 64K 38.0 -> 36.6,
+    //               128K 62.2 -> 61.5, 256K 110.7 -> 109.6; past 64 tiles one per SM lost
+    //               (512K 205.6 -> 206.0, 1M 394.9 -> 397.1), so two per SM stay there;
+    //   fp8         4K 24.5 -> 17.5, 8K 24.8 -> 19.2, 16K 24.7 -> 21.7 (64K: 36.1 -> 36.6);
+    //   fp8_ds_mla  4K 29.0 -> 18.1, 8K 29.4 -> 19.7, 16K 29.3 -> 23.8 (64K: 39.4 -> 44.9).
+    // The 64-row kernel keeps the rule above ((1, 128, 16K) 37.0 -> 49.3 us on one per SM).
+    // KMLA_DECODE_SM_SPLIT_TILES=N sets the 64 / 8 (0: never one per SM; A/B runs).
+    const bool bits16 = format == CacheFormat::bf16 || format == CacheFormat::fp16;
+    const int64_t sm_splits = std::min<int64_t>(sms / ctas, kMaxSplits);
+    const int64_t sm_tiles = env_int("KMLA_DECODE_SM_SPLIT_TILES", bits16 ? 64 : 8);
+    if (!portable && plan.rows_per_cta == 16 && sm_splits > 1 && tiles > min_tiles &&
+        ceil_div(tiles, sm_splits) <= sm_tiles)
+      per_split = ceil_div(tiles, sm_splits);
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
+  // KMLA_DECODE_SPLITS=N: N splits per request whatever the rules above say (A/B runs).
+  if (const int forced = env_int("KMLA_DECODE_SPLITS", 0); forced > 0)
+    plan.num_splits = std::min(forced, kMaxSplits);
   // Balanced: one wave of workers on the CTA slots (264 on H200 for 16 / 32-row tiles, 132
   // for 64-row ones), a multiple of the requests just below that when one is near
   // (decode_balanced_workers): a uniform batch then cuts no request, so no row needs the

@@ -1876,27 +1876,33 @@ TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
     SCOPED_TRACE(::testing::Message() << "seq " << seq);
     const DecodePlan plan = plan_decode(1, 12, 1, seq, false);
     const int64_t tiles = (seq + 31) / 32, per = (tiles + plan.num_splits - 1) / plan.num_splits;
-    if (!std::getenv("KMLA_DECODE_EVEN_SPLITS"))
+    if (!std::getenv("KMLA_DECODE_EVEN_SPLITS") && !std::getenv("KMLA_DECODE_SPLITS"))
       EXPECT_LT((plan.num_splits - 1) * per, tiles) << plan.num_splits << " splits";
     if (!std::getenv("KMLA_DECODE_PDL") && !schedule_forced())
       EXPECT_EQ(plan.programmatic_combine, major >= 9);
   }
-  // Shorter requests on a 16-bit cache take splits of 4 tiles (128 keys) while that keeps the
-  // grid within one CTA per SM, and of 8 beyond; fp8 caches and one-split requests keep 8.
-  if (std::getenv("KMLA_DECODE_EVEN_SPLITS") || std::getenv("KMLA_DECODE_MIN_SPLIT_TILES") ||
-      schedule_forced())
+  // On the 16-row kernels a request takes one split per SM, of as few tiles as that takes,
+  // while that is at most 64 tiles (16-bit cache) or 8 (fp8); beyond, splits of at least 8
+  // tiles, more than one per SM. The 64-row kernel never goes below 8 tiles a split.
+  if (std::getenv("KMLA_DECODE_EVEN_SPLITS") || std::getenv("KMLA_DECODE_SM_SPLIT_TILES") ||
+      std::getenv("KMLA_DECODE_SPLITS") || schedule_forced())
     return;
-  for (int64_t seq : {int64_t(4096), int64_t(16384), int64_t(16385), int64_t(32768)}) {
+  for (int64_t seq : {int64_t(4096), int64_t(8192), int64_t(16385), int64_t(65536), int64_t(262144),
+                      int64_t(1) << 20}) {
     SCOPED_TRACE(::testing::Message() << "seq " << seq);
-    const int64_t tiles = (seq + 31) / 32;
-    const int64_t quarter = (tiles + 3) / 4;
-    const DecodePlan plan = plan_decode(1, 12, 1, seq, false);
-    if (quarter <= sms)
-      EXPECT_EQ(plan.num_splits, quarter);
-    else
-      EXPECT_LE(plan.num_splits, (tiles + 7) / 8);  // at least 8 tiles a split
-    const DecodePlan fp8 = plan_decode(1, 12, 1, seq, false, false, CacheFormat::fp8);
-    EXPECT_LE(fp8.num_splits, (tiles + 7) / 8);
+    const int64_t tiles = (seq + 31) / 32, per_sm = (tiles + sms - 1) / sms;
+    const auto expect = [&](const DecodePlan& plan, int64_t most_tiles) {
+      if (per_sm <= most_tiles) {
+        EXPECT_EQ(plan.num_splits, (tiles + per_sm - 1) / per_sm);
+      } else {
+        EXPECT_LE(plan.num_splits, (tiles + 7) / 8);  // at least 8 tiles a split
+        EXPECT_GT(plan.num_splits, sms);              // and more than one CTA per SM
+      }
+    };
+    expect(plan_decode(1, 12, 1, seq, false), 64);
+    expect(plan_decode(1, 12, 1, seq, false, false, CacheFormat::fp8), 8);
+    expect(plan_decode(1, 12, 1, seq, false, false, CacheFormat::fp8_ds_mla), 8);
+    EXPECT_LE(plan_decode(1, 128, 1, seq, false).num_splits, (tiles + 7) / 8);
   }
   EXPECT_EQ(plan_decode(1, 12, 1, 256, false).num_splits, 1);  // 8 tiles: no split
 }
