@@ -2409,7 +2409,7 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
     const int64_t min_tiles = kMinKeysPerSplit / kKeyTile;
     const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
-    int64_t per_split = std::max({int64_t(1), min_tiles, ceil_div(tiles, per_wave)});
+    int64_t per_split = std::max(min_tiles, ceil_div(tiles, per_wave));
     // One CTA per SM. On the 16-row kernels (not the portable ones: unmeasured) a request
     // that splits anyway runs faster as one split per SM, of as few tiles as that takes
     // (down to one), than as two per SM of at least 8 tiles: a short request's few CTAs kept
@@ -2427,9 +2427,10 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     const bool bits16 = format == CacheFormat::bf16 || format == CacheFormat::fp16;
     const int64_t sm_splits = std::min<int64_t>(sms / ctas, kMaxSplits);
     const int64_t sm_tiles = env_int("KMLA_DECODE_SM_SPLIT_TILES", bits16 ? 64 : 8);
+    const int64_t per_sm_split = ceil_div(tiles, std::max<int64_t>(sm_splits, 1));
     if (!portable && plan.rows_per_cta == 16 && sm_splits > 1 && tiles > min_tiles &&
-        ceil_div(tiles, sm_splits) <= sm_tiles)
-      per_split = ceil_div(tiles, sm_splits);
+        per_sm_split <= sm_tiles)
+      per_split = per_sm_split;
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
   // KMLA_DECODE_SPLITS=N: N splits per request whatever the rules above say (A/B runs).
