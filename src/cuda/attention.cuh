@@ -53,8 +53,8 @@ struct DecodePlan {
   DecodeSchedule schedule = DecodeSchedule::per_request;
   // balanced: CTAs of the split kernel (1..1024): the CTA slots of the GPU, one wave. The
   // share sizes come from the lengths on the device; the three sched_* costs in keys tune
-  // them (decode_sched.cuh): a pair's start-up charge, the fewest keys per worker, and the
-  // longest pair never cut.
+  // them (decode_sched.cuh): a pair's start-up charge, the fewest keys per worker (one key
+  // tile in plan_decode's non-portable 16-row plans), and the longest pair never cut.
   int num_workers = 0;
   int sched_pair_keys = 32;
   int sched_min_keys = 256;
@@ -72,8 +72,9 @@ struct DecodePlan {
   // balanced_walk_table). KMLA_DECODE_PASS_ORDER=0 gives request order (A/B runs).
   bool pass_major = true;
   // Launch the combine as a programmatic dependent of the split kernel (sm_90), so its
-  // launch overlaps the split kernel's tail. plan_decode sets it for balanced 64-row plans and
-  // one-wave per-request grids of several splits (KMLA_DECODE_PDL=0|1 overrides).
+  // launch overlaps the split kernel's tail. plan_decode sets it for balanced 64-row plans,
+  // balanced 16-row plans of one worker per SM (small batches) and one-wave per-request grids
+  // of several splits (KMLA_DECODE_PDL=0|1 overrides).
   bool programmatic_combine = false;
   // balanced: no combine launch; the split kernel runs as a cooperative grid and, after a
   // grid-wide barrier, each worker merges its share of the rows of the pairs it ran a cut

@@ -2405,8 +2405,13 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // over 264 slots -> 8 tiles x 256 splits (1M keys: 125 x 263 instead of 129 x 255).
   // KMLA_DECODE_EVEN_SPLITS=0 keeps the fill rule alone (A/B runs).
   const bool one_wave = ctas > 0 && ctas * plan.num_splits <= slots;
+  const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
+  // One CTA per SM, below, while a CTA then holds at most this many key tiles.
+  // KMLA_DECODE_SM_SPLIT_TILES=N sets it (0: never one per SM; A/B runs).
+  const bool bits16 = format == CacheFormat::bf16 || format == CacheFormat::fp16;
+  const int64_t sm_tiles = env_int("KMLA_DECODE_SM_SPLIT_TILES", bits16 ? 64 : 8);
+  const bool row16 = !portable && plan.rows_per_cta == 16;
   if (one_wave && env_int("KMLA_DECODE_EVEN_SPLITS", 1) != 0) {
-    const int64_t tiles = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(kKeyTile));
     const int64_t min_tiles = kMinKeysPerSplit / kKeyTile;
     const int64_t per_wave = std::min<int64_t>(slots / ctas, kMaxSplits);
     int64_t per_split = std::max(min_tiles, ceil_div(tiles, per_wave));
@@ -2423,13 +2428,9 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     //   fp8         4K 24.5 -> 17.5, 8K 24.8 -> 19.2, 16K 24.7 -> 21.7 (64K: 36.1 -> 36.6);
     //   fp8_ds_mla  4K 29.0 -> 18.1, 8K 29.4 -> 19.7, 16K 29.3 -> 23.8 (64K: 39.4 -> 44.9).
     // The 64-row kernel keeps the rule above ((1, 128, 16K) 37.0 -> 49.3 us on one per SM).
-    // KMLA_DECODE_SM_SPLIT_TILES=N sets the 64 / 8 (0: never one per SM; A/B runs).
-    const bool bits16 = format == CacheFormat::bf16 || format == CacheFormat::fp16;
     const int64_t sm_splits = std::min<int64_t>(sms / ctas, kMaxSplits);
-    const int64_t sm_tiles = env_int("KMLA_DECODE_SM_SPLIT_TILES", bits16 ? 64 : 8);
     const int64_t per_sm_split = ceil_div(tiles, std::max<int64_t>(sm_splits, 1));
-    if (!portable && plan.rows_per_cta == 16 && sm_splits > 1 && tiles > min_tiles &&
-        per_sm_split <= sm_tiles)
+    if (row16 && sm_splits > 1 && tiles > min_tiles && per_sm_split <= sm_tiles)
       per_split = per_sm_split;
     plan.num_splits = int(std::clamp<int64_t>(ceil_div(tiles, per_split), 1, kMaxSplits));
   }
@@ -2445,18 +2446,34 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // 320.9, (128, 128, 4k) 346.3 -> 339.9, (16, 128, 4k) 76.9 -> 69.6, and left the mixed
   // q 2..6 batch as it was (501.8 against 504.6; an H200 measurement of an older kernel had
   // it 2.8 % slower). The device takes fewer workers when the batch is small
-  // (sched_min_keys).
+  // (sched_min_keys; for the 16-row kernels, see below).
   const char* sched = std::getenv("KMLA_DECODE_SCHEDULE");
   // One request has nothing to balance: its equal per-request splits were faster on H200
   // (64K keys: 50.3 against 62.4 us balanced; 1M: 343.5 against 346.3).
   const bool balanced = sched && *sched ? std::string_view(sched) == "balanced"
                                         : num_requests > 1 &&
                                               num_requests <= kDecodeBalancedMaxRequests;
+  // Small batches on the 16-row kernels (not the portable ones: unmeasured), as for one
+  // request above: shares of as little as one key tile (the walk kept at least 8, so 2 x 4K
+  // keys ran on ~33 CTAs), and one worker per SM while that gives a worker at most sm_tiles
+  // tiles, every pair counted at the longest length. The combine of such a grid is launched
+  // early (PDL, below), as one request's is: its CTAs fit beside one split CTA per SM. Uniform
+  // batches of 12 heads, H100 (2026-12-07, twenty-sixth session, two rounds; docs/PERF.md),
+  // us, before -> now:
+  //   bf16        2 x 4K 28.6 -> 18.4, 4 x 4K 32.4 -> 24.0, 8 x 4K 41.0 -> 30.0, 2 x 16K
+  //               32.0 -> 27.8, 8 x 16K 72.8 -> 66.3, 8 x 8K at 16 heads 56.0 -> 41.7 (of
+  //               which PDL 2 x 4K 20.1 -> 18.4); 16 x 16K, 32 x 4K, 64 x 2K, 128 x 512 and
+  //               128 x 1K within 1 us;
+  //   fp8         4 x 16K 47.6 -> 42.8 (one-tile shares alone; one per SM 44.2);
+  //   fp8_ds_mla  4 x 16K 56.1 -> 49.2, 16 x 4K 54.7 -> 46.8 (one per SM 53.5, 49.3).
+  const bool sm_workers = balanced && row16 && ctas * tiles <= sm_tiles * sms;
   if (balanced && num_requests > 0) {
     plan.schedule = DecodeSchedule::balanced;
+    if (row16) plan.sched_min_keys = kKeyTile;
     plan.num_workers = int(std::clamp<int64_t>(
-        env_int("KMLA_DECODE_WORKERS", int(decode_balanced_workers(slots, num_requests))), 1,
-        kMaxSplits));
+        env_int("KMLA_DECODE_WORKERS",
+                int(decode_balanced_workers(sm_workers ? sms : slots, num_requests))),
+        1, kMaxSplits));
     plan.sched_pair_keys = env_int("KMLA_DECODE_PAIR_KEYS", plan.sched_pair_keys);
     plan.sched_min_keys = env_int("KMLA_DECODE_MIN_KEYS", plan.sched_min_keys);
     plan.sched_nosplit_keys = env_int("KMLA_DECODE_NOSPLIT_KEYS", plan.sched_nosplit_keys);
@@ -2473,10 +2490,12 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // combine is the heaviest (64 rows a pair; 14-18 us on H200 when skipped): on H100 (2026-12-05,
   // eighth session, alternated twice) it saved 1-3.5 us on every wgmma shape ((128, 128, 4k) 343.4
   // / 342.6 -> 339.4 / 339.7, q 4 423.5 / 423.9 -> 422.1 / 422.6, mixed q 2..6 505.5 / 505.7 ->
-  // 504.5 / 502.7). The 16-row shapes gained 0.5-2 us there too but stay off: the H200 had them
-  // within +-0.8 % and mixed lengths 1 % slower (2026-12-03, night). KMLA_DECODE_PDL=0|1 overrides.
+  // 504.5 / 502.7). The 16-row shapes gained 0.5-2 us there too but stay off (the H200 had them
+  // within +-0.8 % and mixed lengths 1 % slower, 2026-12-03, night), except on one worker per SM
+  // (sm_workers, above). KMLA_DECODE_PDL=0|1 overrides.
   const int pdl = env_int("KMLA_DECODE_PDL", -1);
-  const bool pdl_default = balanced ? plan.rows_per_cta == 64 : one_wave && plan.num_splits > 1;
+  const bool pdl_default =
+      balanced ? plan.rows_per_cta == 64 || sm_workers : one_wave && plan.num_splits > 1;
   plan.programmatic_combine = major >= 9 && (pdl >= 0 ? pdl != 0 : pdl_default);
   // The fused combine (balanced plans): the split kernel, launched cooperatively, merges the
   // rows of cut pairs itself after a grid-wide barrier, so no combine launch follows it and a

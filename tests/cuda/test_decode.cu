@@ -1907,6 +1907,51 @@ TEST(CudaDecodeCombine, OneWavePlanHasEvenSplits) {
   EXPECT_EQ(plan_decode(1, 12, 1, 256, false).num_splits, 1);  // 8 tiles: no split
 }
 
+// Small balanced batches on the 16-row kernels: shares of one key tile at least, and one
+// worker per SM (a multiple of the requests) with the combine launched early while a worker
+// then holds at most 64 key tiles (16-bit cache) or 8 (fp8), every pair counted at the longest
+// length; beyond, the CTA slots' workers (two or three per SM) and no early combine. The
+// 64-row kernel and the portable plans keep shares of at least 8 tiles.
+TEST(CudaDecodeCombine, SmallBalancedBatchesTakeOneWorkerPerSm) {
+  KMLA_REQUIRE_GPU();
+  for (const char* env : {"KMLA_DECODE_WORKERS", "KMLA_DECODE_MIN_KEYS", "KMLA_DECODE_PDL",
+                          "KMLA_DECODE_SM_SPLIT_TILES"})
+    if (std::getenv(env)) GTEST_SKIP() << env << " set";
+  if (schedule_forced()) GTEST_SKIP() << "schedule forced";
+  int device = 0, major = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  // (Fewer than 64 requests: 12 heads stay on the 16-row kernels, decode_sm90_takes_rows.)
+  for (const int requests : {2, 3, 8, 16, 40}) {
+    for (const int64_t seq : {int64_t(4096), int64_t(8193), int64_t(16384), int64_t(65536)}) {
+      for (const CacheFormat f : {CacheFormat::bf16, CacheFormat::fp8, CacheFormat::fp8_ds_mla}) {
+        SCOPED_TRACE(::testing::Message() << requests << " requests of " << seq << " keys, "
+                                          << cache_format_name(f));
+        const DecodePlan plan = plan_decode(requests, 12, 1, seq, false, false, f);
+        ASSERT_EQ(plan.schedule, DecodeSchedule::balanced);
+        ASSERT_EQ(plan.rows_per_cta, 16);
+        EXPECT_EQ(plan.sched_min_keys, 32);
+        const int64_t most = f == CacheFormat::bf16 ? 64 : 8;
+        const bool one = requests * ((seq + 31) / 32) <= most * sms;
+        if (one) {
+          EXPECT_EQ(plan.num_workers, decode_balanced_workers(sms, requests));
+        } else {
+          EXPECT_GT(plan.num_workers, sms);
+        }
+        EXPECT_EQ(plan.programmatic_combine, one && major >= 9);
+      }
+    }
+  }
+  // 2 x 4K keys at 128 heads (64-row tiles) and on the portable kernels: 8-tile shares.
+  const DecodePlan wide = plan_decode(2, 128, 1, 4096, false);
+  EXPECT_EQ(wide.rows_per_cta, 64);
+  EXPECT_EQ(wide.sched_min_keys, 256);
+  const DecodePlan portable = plan_decode(2, 12, 1, 4096, true);
+  EXPECT_EQ(portable.sched_min_keys, 256);
+  EXPECT_FALSE(portable.programmatic_combine);
+}
+
 // ---- the wgmma kernel's copy issue (DecodeSm90Options::issue_wg1, early_issue) ------------
 // The other tests run the defaults (warp 4 issues the TMA copies, tile t + 1 before the wait
 // for tile t); these run the three other combinations: 128 heads with mixed lengths and
