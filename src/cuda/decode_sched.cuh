@@ -213,10 +213,21 @@ __host__ __device__ inline int64_t pair_units(const DecodeArgs& a, int rows, int
 // round trip to memory): on H200 30.9 us against 11.5 for the per-request grid's 128 CTAs of
 // one pair. Every share is non-empty: a live pair costs at least one unit (the charge), so
 // total >= pairs.
+//
+// Where the shares' minimum leaves fewer workers than the grid's, their count is rounded down
+// to a multiple of the pairs when that idles at most 1/8 of them: a uniform batch then gives
+// every worker one piece of one pair, where 4 x 12 heads x 4 tokens x 8K keys (516 units at 4
+// a share) gave 129 workers a piece of 4 tiles and two of them two pieces. At these sizes a
+// piece costs far more than its tiles (its Q, first keys and partial write), so those two
+// workers set the call's time. With the exact share ends of next_piece, on an H100
+// (2026-12-07, twenty-sixth session, two rounds; docs/PERF.md), us: that batch 47.0 -> 40.2,
+// 2 of them 39.5 -> 34.7, 4 x 8 heads x 8 tokens (the DSpark draft's rows) 51.0 -> 45.5,
+// 4 x 64 heads x 8K 51.8 -> 45.1, 4 x 128 heads x 4K 51.4 -> 43.3; the bench's shapes the same.
 __host__ __device__ inline int balanced_workers(int64_t total, int64_t pairs, int grid,
                                                 int min_worker) {
   int64_t w = (total + min_worker - 1) / min_worker;
   if (w < pairs) w = pairs;
+  if (w < grid && pairs > 0 && (w % pairs) * 8 <= w) w -= w % pairs;
   if (w > grid) w = grid;
   return int(w > 1 ? w : 1);
 }
@@ -288,6 +299,17 @@ __host__ __device__ inline WalkState start_walk(const SchedUnits& u, int worker,
   return st;
 }
 
+// The key tile nearest to where share k of `total` units over `workers` ends, k * total /
+// workers exactly, inside a pair of `units` units (`tiles` key tiles) from unit `off` on, for
+// an end strictly inside the pair (next_piece). Out of line: inlined, its 64-bit arithmetic
+// made ptxas serialize the wgmma kernel's MMAs for want of registers.
+__host__ __device__ __noinline__ inline int share_end_tile(int64_t k, int64_t total, int workers,
+                                                           int64_t off, int64_t units, int tiles) {
+  const uint64_t d = uint64_t(k * total - off * workers);  // (end - off) * workers
+  const uint64_t den = uint64_t(units) * uint64_t(workers);
+  return int((2 * d * uint64_t(tiles) + den) / (2 * den));
+}
+
 // Moves st past the worker's next piece and describes it in w; false when the worker has no
 // more. The worker that takes a pair's first piece records (first worker, pieces) in
 // a.pair_table (when write_table: one thread of the CTA) for the combine. Pure integer
@@ -343,13 +365,19 @@ __host__ __device__ inline bool next_piece(const DecodeArgs& a, WalkState& st, b
       const int first = worker_of(off, st.total, st.workers);
       const int w0 = st.w0 + first;
       const int n = worker_of(end - 1, st.total, st.workers) - first + 1, s = st.worker - w0;
-      // Units [u0, u1) of the pair map onto its key tiles proportionally (the start-up
+      // The shares' ends inside the pair map onto its key tiles proportionally (the start-up
       // charge spread over them), rounded to the nearest tile, so neighbouring pieces meet on
-      // the same tile and a pair cut in halves gets two equal halves (rounding down gave a
-      // 128-tile pair 63 + 65 tiles: the second worker two tiles late).
-      const int64_t u0 = (st.lo > off ? st.lo : off) - off, u1 = (st.hi < end ? st.hi : end) - off;
-      const int t0 = int((2 * u0 * tiles + units) / (2 * units));
-      const int t1 = int((2 * u1 * tiles + units) / (2 * units));
+      // the same tile. The ends are taken exactly, k * total / workers, not as share_begin
+      // rounds them down: a pair cut into n equal shares then gets n equal pieces (with the
+      // rounded ends, 2 x 128 heads x 4K keys on 64 workers got pieces of 3 to 5 tiles for
+      // 4 each, 8 x 12 heads x 4K on 128 workers 7 to 9 for 8: 29.9 -> 29.3 us on an H100,
+      // and 128-tile pairs once got 63 + 65). Interior ends lie strictly inside the pair
+      // (worker_of), so only the first piece's start and the last one's end are clamped.
+      const int t0 =
+          s == 0 ? 0 : share_end_tile(first + s, st.total, st.workers, off, units, tiles);
+      const int t1 = s == n - 1
+                         ? tiles
+                         : share_end_tile(first + s + 1, st.total, st.workers, off, units, tiles);
       w.key0 = t0 * KEY_TILE;
       w.key1 = t1 * KEY_TILE < kmax ? t1 * KEY_TILE : kmax;
       if (w.key1 < w.key0) w.key1 = w.key0;

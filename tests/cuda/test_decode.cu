@@ -808,6 +808,79 @@ TEST(DecodeSched, ShortRequestsGetAWorkerEach) {
   }
 }
 
+// Small uniform batches whose shares the minimum share limits (256 keys: 4 tiles of the 64-row
+// kernel) on a 132-CTA grid: the worker count is a multiple of the pairs, so every worker of
+// the walk table runs one piece of one pair, all of them of the same tiles. Before,
+// 2 x 128 heads x 4K keys took 65 workers (one ran two pieces), 4 x 12 heads x 8K x 4 tokens
+// 129 (two ran two). Rounding stops where it would idle more than 1/8 of the workers, and the
+// grid's own count is never rounded (decode_balanced_workers aligns it to the requests).
+TEST(DecodeSched, SmallUniformBatchesGiveEachWorkerOnePiece) {
+  struct Shape {
+    int requests, heads, qlen, seq;
+  };
+  for (const Shape s : {Shape{2, 128, 1, 4096}, Shape{4, 128, 1, 4096}, Shape{4, 12, 4, 8192},
+                        Shape{4, 64, 1, 8192}, Shape{3, 8, 8, 8192}, Shape{5, 16, 4, 2000}}) {
+    SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads x " << s.qlen
+                                      << " tokens, " << s.seq << " keys");
+    HostSchedCase c;
+    c.heads = s.heads;
+    c.max_qlen = s.qlen;
+    c.grid = 132;
+    c.pass_major = true;
+    c.seq.assign(size_t(s.requests), s.seq);
+    c.qlen.assign(size_t(s.requests), s.qlen);
+    check_host_schedule<64, 64>(c);
+    const DecodeArgs a = host_sched_args(c, 64);
+    const SchedUnits u = sched_units(a, 64);
+    const int pairs = s.requests * a.row_tiles;
+    const std::vector<std::byte> walk = host_walk_table<64, 64>(a, c.grid);
+    const int workers = table_head(walk).workers;
+    EXPECT_LT(workers, c.grid);
+    EXPECT_EQ(workers % pairs, 0) << workers << " workers";
+    int fewest = std::numeric_limits<int>::max(), most = 0;
+    for (int b = 0; b < c.grid; ++b) {
+      WalkState st;
+      if (!table_walk(walk.data(), c.grid, b, u, st)) continue;
+      int pieces = 0;
+      DecodeWork p;
+      while (next_piece<64, 64>(a, st, false, p)) {
+        ++pieces;
+        const int tiles = (p.key1 - p.key0 + 63) / 64;
+        fewest = std::min(fewest, tiles);
+        most = std::max(most, tiles);
+      }
+      EXPECT_EQ(pieces, 1) << "CTA " << b;
+    }
+    EXPECT_EQ(most, fewest);
+  }
+  // 16-row tiles at one-tile shares: 8 x 4K keys on 128 workers, 129 units a pair, in 16
+  // pieces of 8 tiles each (the rounded ends gave 7 to 9).
+  HostSchedCase c;
+  c.heads = 12;
+  c.grid = 128;
+  c.min_keys = 32;
+  c.seq.assign(8, 4096);
+  c.qlen.assign(8, 1);
+  check_host_schedule<16, 32>(c);
+  const DecodeArgs a = host_sched_args(c, 16);
+  const SchedUnits u = sched_units(a, 32);
+  const std::vector<std::byte> walk = host_walk_table<16, 32>(a, c.grid);
+  ASSERT_EQ(table_head(walk).workers, 128);
+  for (int b = 0; b < c.grid; ++b) {
+    WalkState st;
+    ASSERT_TRUE(table_walk(walk.data(), c.grid, b, u, st));
+    DecodeWork p;
+    ASSERT_TRUE((next_piece<16, 32>(a, st, false, p)));
+    EXPECT_EQ(p.key1 - p.key0, 256) << "CTA " << b;
+    EXPECT_FALSE((next_piece<16, 32>(a, st, false, p))) << "CTA " << b;
+  }
+  EXPECT_EQ(balanced_workers(260, 4, 132, 4), 64);     // 65 -> 64
+  EXPECT_EQ(balanced_workers(516, 4, 132, 4), 128);    // 129 -> 128
+  EXPECT_EQ(balanced_workers(280, 40, 132, 4), 70);    // 40 would idle 30 of 70
+  EXPECT_EQ(balanced_workers(100, 100, 132, 4), 100);  // one per pair
+  EXPECT_EQ(balanced_workers(2000, 5, 132, 4), 132);   // the grid's count
+}
+
 // The mixed-length bench batch (lengths 4096..12288, mean 8192, as src/bench/cases.cpp's
 // mixed_lengths) on 264 workers: no worker above 1.1x the mean share, where the
 // per-request grid's longest CTA is ~1.5x (a request of 12288 keys in 2 splits against a
