@@ -2460,12 +2460,14 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
   // early (PDL, below), as one request's is: its CTAs fit beside one split CTA per SM. Uniform
   // batches of 12 heads, H100 (2026-12-07, twenty-sixth session, two rounds; docs/PERF.md),
   // us, before -> now:
-  //   bf16        2 x 4K 28.6 -> 18.4, 4 x 4K 32.4 -> 24.0, 8 x 4K 41.0 -> 30.0, 2 x 16K
-  //               32.0 -> 27.8, 8 x 16K 72.8 -> 66.3, 8 x 8K at 16 heads 56.0 -> 41.7 (of
+  //   bf16        2 x 4K 28.3 -> 18.4, 4 x 4K 32.1 -> 23.9, 8 x 4K 40.5 -> 30.0, 2 x 16K
+  //               32.4 -> 27.7, 8 x 16K 72.8 -> 66.7, 8 x 8K at 16 heads 55.6 -> 41.8 (of
   //               which PDL 2 x 4K 20.1 -> 18.4); 16 x 16K, 32 x 4K, 64 x 2K, 128 x 512 and
   //               128 x 1K within 1 us;
-  //   fp8         4 x 16K 47.6 -> 42.8 (one-tile shares alone; one per SM 44.2);
-  //   fp8_ds_mla  4 x 16K 56.1 -> 49.2, 16 x 4K 54.7 -> 46.8 (one per SM 53.5, 49.3).
+  //   fp8         2 x 4K 34.9 -> 21.9, 4 x 16K 47.7 -> 43.1 (one-tile shares alone: one per
+  //               SM 44.2);
+  //   fp8_ds_mla  2 x 4K 40.0 -> 22.1, 16 x 4K 53.9 -> 47.0 (one per SM 49.3), 4 x 16K 56.1 ->
+  //               49.2 (one per SM 53.5).
   const bool sm_workers = balanced && row16 && ctas * tiles <= sm_tiles * sms;
   if (balanced && num_requests > 0) {
     plan.schedule = DecodeSchedule::balanced;

@@ -407,6 +407,18 @@ struct HostSchedCase {
   std::vector<int32_t> seq, qlen;
 };
 
+// `requests` requests of `heads` x `qlen` rows on a 132-CTA grid (one 64-row CTA per SM of an
+// H100 / H200) in pass order; the lengths are the caller's.
+HostSchedCase pass_order_case(int requests, int heads, int qlen) {
+  HostSchedCase c;
+  c.heads = heads;
+  c.max_qlen = qlen;
+  c.grid = 132;
+  c.pass_major = true;
+  c.qlen.assign(size_t(requests), qlen);
+  return c;
+}
+
 // The requests' first units in request order (off[R] = the total).
 template <int ROWS, int KEY_TILE>
 std::vector<int64_t> request_offsets(const DecodeArgs& a, const SchedUnits& u) {
@@ -822,13 +834,8 @@ TEST(DecodeSched, SmallUniformBatchesGiveEachWorkerOnePiece) {
                         Shape{4, 64, 1, 8192}, Shape{3, 8, 8, 8192}, Shape{5, 16, 4, 2000}}) {
     SCOPED_TRACE(::testing::Message() << s.requests << " x " << s.heads << " heads x " << s.qlen
                                       << " tokens, " << s.seq << " keys");
-    HostSchedCase c;
-    c.heads = s.heads;
-    c.max_qlen = s.qlen;
-    c.grid = 132;
-    c.pass_major = true;
+    HostSchedCase c = pass_order_case(s.requests, s.heads, s.qlen);
     c.seq.assign(size_t(s.requests), s.seq);
-    c.qlen.assign(size_t(s.requests), s.qlen);
     check_host_schedule<64, 64>(c);
     const DecodeArgs a = host_sched_args(c, 64);
     const SchedUnits u = sched_units(a, 64);
@@ -936,12 +943,7 @@ TEST(DecodeSched, PassOrderPutsRowTilesInStep) {
     SCOPED_TRACE(::testing::Message()
                  << sh.requests << " x " << sh.heads << " heads x " << sh.qlen << " tokens, "
                  << sh.seq << " keys" << (sh.mixed_lengths ? " on average" : ""));
-    HostSchedCase c;
-    c.heads = sh.heads;
-    c.max_qlen = sh.qlen;
-    c.grid = 132;
-    c.pass_major = true;
-    c.qlen.assign(size_t(sh.requests), sh.qlen);
+    HostSchedCase c = pass_order_case(sh.requests, sh.heads, sh.qlen);
     std::mt19937 rng(7);
     for (int r = 0; r < sh.requests; ++r)
       c.seq.push_back(sh.mixed_lengths ? sh.seq / 2 + int(rng() % uint32_t(sh.seq)) : sh.seq);
