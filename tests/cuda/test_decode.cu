@@ -2018,6 +2018,16 @@ TEST(CudaDecodeCombine, SmallBalancedBatchesTakeOneWorkerPerSm) {
       }
     }
   }
+  // 64-row tiles: workers a multiple of the (request, row tile) pairs where that idles at most
+  // 1/8 of the slots while the pairs hold at most 40 tiles of 64 keys a slot (the GPUs with
+  // 132 SMs, H100 and H200: one 64-row CTA per SM).
+  if (sms == 132) {
+    EXPECT_EQ(plan_decode(12, 128, 1, 4096, false).num_workers, 120);   // 24 pairs
+    EXPECT_EQ(plan_decode(7, 128, 1, 16384, false).num_workers, 126);   // 14 pairs, 27 tiles
+    EXPECT_EQ(plan_decode(40, 64, 1, 8192, false).num_workers, 120);    // 39 tiles
+    EXPECT_EQ(plan_decode(12, 128, 1, 16384, false).num_workers, 132);  // 47 tiles
+    EXPECT_EQ(plan_decode(19, 128, 1, 4096, false).num_workers, 132);   // 114 would idle 18
+  }
   // 2 x 4K keys at 128 heads (64-row tiles) and on the portable kernels: 8-tile shares.
   const DecodePlan wide = plan_decode(2, 128, 1, 4096, false);
   EXPECT_EQ(wide.rows_per_cta, 64);
