@@ -2473,16 +2473,16 @@ DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t m
     plan.schedule = DecodeSchedule::balanced;
     if (row16) plan.sched_min_keys = kKeyTile;
     int64_t workers = decode_balanced_workers(sm_workers ? sms : slots, num_requests);
-    // 64-row tiles, whose pieces cost the most to start and merge: a multiple of the (request,
-    // row tile) pairs where that idles at most 1/8 of the slots, while the pairs at the
-    // longest length hold at most 40 tiles of 64 keys a slot, so a uniform batch gives every
-    // worker one piece. H100 (2026-12-07, twenty-sixth session, two rounds; docs/PERF.md), us,
-    // the requests' multiple (or all slots) -> the pairs': 12 x 128 heads x 4K 62.9 -> 57.4
-    // (132 -> 120 workers), 20 x 128 x 4K 80.8 -> 74.1, 10 x 128 x 4K 59.2 -> 52.0, 7 x 128 x
-    // 4K 54.2 -> 46.3 (126), 7 x 128 x 16K 100.6 -> 93.6 (126, 27 tiles a worker), 40 x 64 x
-    // 8K 156.7 -> 146.3 (39 tiles), 24 x 12 heads x 8K x 4 tokens 110.7 -> 99.3; past the 40
-    // tiles the idle slots cost more (12 x 128 x 16K, 47 tiles: 140.8 -> 144.0).
-    if (plan.rows_per_cta == 64 && ctas <= slots && workers % ctas != 0) {
+    // 64-row tiles (not the portable ones: unmeasured), whose pieces cost the most to start and
+    // merge: a multiple of the (request, row tile) pairs where that idles at most 1/8 of the
+    // slots, while the pairs at the longest length hold at most 40 tiles of 64 keys a slot,
+    // so a uniform batch gives every worker one piece. H100 (2026-12-07, twenty-sixth session, two
+    // rounds; docs/PERF.md), us, the requests' multiple (or all slots) -> the pairs': 12 x 128
+    // heads x 4K 62.9 -> 57.4 (132 -> 120 workers), 20 x 128 x 4K 80.8 -> 74.1, 10 x 128 x 4K 59.2
+    // -> 52.0, 7 x 128 x 4K 54.2 -> 46.3 (126), 7 x 128 x 16K 100.6 -> 93.6 (126, 27 tiles a slot),
+    // 40 x 64 x 8K 156.7 -> 146.3 (39 tiles), 24 x 12 heads x 8K x 4 tokens 110.7 -> 99.3; past the
+    // 40 tiles the idle slots cost more (12 x 128 x 16K, 47 tiles: 140.8 -> 144.0).
+    if (!portable && plan.rows_per_cta == 64 && ctas <= slots && workers % ctas != 0) {
       const int64_t aligned = slots / ctas * ctas;
       const int64_t tiles64 = ceil_div(std::max<int64_t>(max_seq_len, 1), int64_t(64));
       if ((slots - aligned) * 8 <= slots && ctas * tiles64 <= 40 * slots) workers = aligned;
