@@ -125,12 +125,12 @@ inline constexpr int kDecodeBalancedMaxRequests = 4096;
 // KMLA_DECODE_WORKERS, KMLA_DECODE_PAIR_KEYS, KMLA_DECODE_MIN_KEYS, KMLA_DECODE_NOSPLIT_KEYS,
 // KMLA_DECODE_PASS_ORDER=0|1, KMLA_DECODE_FUSED=0|1 (DecodePlan::fused_combine),
 // KMLA_DECODE_PDL=0|1, KMLA_DECODE_EVEN_SPLITS=0|1, KMLA_DECODE_SM_SPLIT_TILES (the most
-// 32-key tiles a split of a one-wave grid takes at one CTA per SM), KMLA_DECODE_SPLITS (splits
-// per request), KMLA_FP8_CTAS=2|3, KMLA_DECODE_ROWS=16|32|64 (the row tile; never for
-// batch-invariant plans), KMLA_DECODE_SM90_MIN_ROWS (decode_sm90.cuh), and
-// KMLA_DECODE_WARP_OWN=0|1 (all plans: the 16-row 16-bit kernel's form,
-// DecodePlan::row16_warp_own). `format` is the cache format the plan will run on;
-// fp8_ds_mla's CTAs per SM, the warp-own form and the wgmma tile for 17-32 rows depend on it.
+// 32-key tiles a split of a one-wave grid, or a worker of a small balanced 16-row batch, takes
+// at one CTA per SM; 0: never one per SM), KMLA_DECODE_SPLITS (splits per request),
+// KMLA_FP8_CTAS=2|3, KMLA_DECODE_ROWS=16|32|64 (the row tile; never for batch-invariant plans),
+// KMLA_DECODE_SM90_MIN_ROWS (decode_sm90.cuh), and KMLA_DECODE_WARP_OWN=0|1 (all plans: the 16-row
+// 16-bit kernel's form, DecodePlan::row16_warp_own). `format` is the cache format the plan will run
+// on; fp8_ds_mla's CTAs per SM, the warp-own form and the wgmma tile for 17-32 rows depend on it.
 DecodePlan plan_decode(int num_requests, int heads, int max_query_len, int64_t max_seq_len,
                        bool portable, bool batch_invariant = false,
                        CacheFormat format = CacheFormat::bf16);
