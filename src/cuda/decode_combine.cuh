@@ -55,8 +55,10 @@ __device__ __forceinline__ RowPartials row_partials(const DecodeArgs& a, int64_t
 // rp[0..K) with the same number of partials S: the warp's part of the combine (lane = this
 // thread's lane). A row whose partials are all empty gets zeros and LSE -inf. The K rows'
 // loads go out together (the fused combine merges two rows at a time: one round trip for
-// both instead of one each); a row's arithmetic does not depend on K.
-template <class T, int K>
+// both instead of one each); a row's arithmetic does not depend on K. kBatch > 1 (the
+// combine kernel; the split kernels' merges keep 1, for their registers): with S <= 32 the
+// loads of kBatch partials per split group go out before any of them is added.
+template <class T, int K, int kBatch = 1>
 __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowPartials (&rp)[K], int r,
                                              int chunk, int chunks, int lane) {
   const int S = rp[0].S;
@@ -124,7 +126,45 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
       }
     }
   };
-  if (S <= 32) {
+  if (S <= 32 && kBatch > 1) {
+    // kBatch partials per group at a time, all their loads first: each load is unconditional
+    // (a partial past S reads partial S - 1 again, an empty one whatever its slot holds) and
+    // only the adds test the weight, so the loads of a batch go out together instead of one
+    // round trip per partial behind each test. Same partials, same order, same sums.
+    for (int s0 = 0; s0 < S; s0 += kBatch * groups) {  // uniform over the warp (the shuffle)
+      float4 v[kBatch][K][4];
+      float w[kBatch][K];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int s = s0 + b * groups + group;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          w[b][k] = __shfl_sync(0xffffffffu, my_w[k], s & 31);
+          if (s >= S) w[b][k] = 0.0f;
+          const float* o = o_at(k, min(s, S - 1)) + col0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (j < per_lane) v[b][k][j] = *reinterpret_cast<const float4*>(o + 4 * col_lanes * j);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (w[b][k] == 0.0f) continue;  // never adds an empty partial's (maybe NaN) slot
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (j < per_lane) {
+              sum[k][j].x += w[b][k] * v[b][k][j].x;
+              sum[k][j].y += w[b][k] * v[b][k][j].y;
+              sum[k][j].z += w[b][k] * v[b][k][j].z;
+              sum[k][j].w += w[b][k] * v[b][k][j].w;
+            }
+          }
+        }
+      }
+    }
+  } else if (S <= 32) {
 #pragma unroll 4
     for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
       const int s = s0 + group;

@@ -230,17 +230,51 @@ __device__ __forceinline__ int64_t load_q(const DecodeArgs& a, const DecodeWork&
   return out_row0;
 }
 
+// A piece's direct output (rows of 512 T) is staged in shared memory, in the key stages (free
+// after its last P V), before it goes out: the accumulator layout alone would store 4 bytes
+// of each of 8 rows per warp instruction (half sectors), the staged rows go out as 512
+// contiguous bytes per warp instruction. Rows are 16 bytes apart in the banks, so a warp's
+// 4-byte stores from the accumulator layout (8 rows x 4 column pairs) cover the 32 banks once.
+// Measured on an H100 (2026-12-07, twenty-seventh session, two rounds alternated): (128, 128,
+// 4k) 316.5 -> 307.3 us, (64, 128, 8k) 299.4 -> 295.3, (64, 64, 8k, q 2) 301.5 -> 295.7. The
+// same for the fp32 partials (float2 stores, whole 32-byte sectors already) was slower: the
+// DSpark draft 224.0 -> 227.9, (16, 128, 4k) +1.5 us; they keep their stores from registers.
+constexpr int kStageRowBytes = kKvLoraRank * 2 + 16;
+static_assert(kRows * kStageRowBytes <= 2 * kTileBytes, "the staged rows fit the stages");
+
+// Copies `rows` staged rows of 512 T (kStageRowBytes apart at `stage`) to dst, consecutive
+// rows: 16 bytes a thread at a time where dst is 16-byte aligned, else 4. Out of line, with
+// its arguments by value: inlined, ptxas serialised the kernel's wgmmas for want of
+// registers (C7511).
+__device__ __noinline__ void write_staged_rows(const uint8_t* stage, int rows, uint8_t* dst) {
+  constexpr int kRowOut = kKvLoraRank * 2;
+  auto copy = [&]<class V>() {
+    constexpr int kPer = kRowOut / int(sizeof(V));  // V units of a row
+    for (int i = threadIdx.x; i < rows * kPer; i += kThreads) {
+      const int row = i / kPer, c = i % kPer;
+      reinterpret_cast<V*>(dst + row * kRowOut)[c] =
+          *reinterpret_cast<const V*>(stage + row * kStageRowBytes + c * int(sizeof(V)));
+    }
+  };
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0)
+    copy.template operator()<uint4>();
+  else
+    copy.template operator()<uint32_t>();
+  fence_proxy_async();  // my generic reads of the stages before the next piece's TMA writes
+}
+
 // The end of a piece: adds this thread's row sums l_lo, l_hi (rows row_lo and row_lo + 8 of
 // the tile, this thread's columns) over the quad and, through red_sum ([2][64]) and a
 // __syncthreads, over both warpgroups; then normalises the thread's two rows of the O half
-// of warpgroup wg and writes them to the output, or to the piece's fp32 partial; warpgroup 0
-// also writes the LSE. m: the rows' final running maxima (log2 domain, scores scaled). No
-// visible key <=> l = 0 (the row's max key adds 2^0 = 1).
+// of warpgroup wg and writes them to the output (through the key stages at `stage`,
+// write_staged_rows), or to the piece's fp32 partial; warpgroup 0 also writes the LSE. m:
+// the rows' final running maxima (log2 domain, scores scaled). No visible key <=> l = 0
+// (the row's max key adds 2^0 = 1).
 template <class T>
 __device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWork& work,
                                             int64_t out_row0, const float (&o)[128], int wg,
                                             int row_lo, int t, const float (&m)[2], float l_lo,
-                                            float l_hi, float* red_sum) {
+                                            float l_hi, float* red_sum, uint8_t* stage) {
 #pragma unroll
   for (int x = 1; x <= 2; x <<= 1) {
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, x);
@@ -251,25 +285,26 @@ __device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWor
     red_sum[wg * kRows + row_lo] = l_lo;
     red_sum[wg * kRows + row_hi] = l_hi;
   }
-  __syncthreads();
+  __syncthreads();  // also: both warpgroups' last P V has read the key stages
   const float l[2] = {red_sum[row_lo] + red_sum[kRows + row_lo],
                       red_sum[row_hi] + red_sum[kRows + row_hi]};
+  const bool direct = work.direct;  // (uniform)
+  if (direct) fence_proxy_async();  // the stages' async-proxy reads before my generic writes
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_lo + 8 * h;
-    if (work.row0 + row >= work.nrows) continue;
+    const bool live = work.row0 + row < work.nrows;
     const bool empty = !(l[h] > 0.0f);
     const float inv = empty ? 0.0f : a.v_scale / l[h];
     const float lse = empty ? kNegInf : (m[h] + __log2f(l[h])) * kLn2;
     const int col0 = kHalfCols * wg + 2 * t;
-    if (work.direct) {
-      T* out = static_cast<T*>(a.out) + (out_row0 + row) * kKvLoraRank + col0;
+    if (direct) {  // every row staged; only the request's are copied out
+      uint32_t* dst = reinterpret_cast<uint32_t*>(stage + row * kStageRowBytes) + col0 / 2;
 #pragma unroll
       for (int i = 0; i < 32; ++i)
-        *reinterpret_cast<uint32_t*>(out + 8 * i) =
-            pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-      if (wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
-    } else {
+        dst[4 * i] = pack2<T>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+      if (live && wg == 0 && t == 0) a.lse[out_row0 + row] = lse;
+    } else if (live) {
       const int64_t w = work.part + int64_t(row) * work.part_stride;
       if (!empty) {
         float* out = a.ws_o + w * kKvLoraRank + col0;
@@ -280,6 +315,11 @@ __device__ __forceinline__ void finish_rows(const DecodeArgs& a, const DecodeWor
       }
       if (wg == 0 && t == 0) a.ws_lse[w] = lse;
     }
+  }
+  if (direct) {
+    __syncthreads();
+    write_staged_rows(stage, min(kRows, work.nrows - work.row0),
+                      reinterpret_cast<uint8_t*>(static_cast<T*>(a.out) + out_row0 * kKvLoraRank));
   }
 }
 
@@ -855,7 +895,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     finish_thin<T, thin>(a, work, out_row0, *reinterpret_cast<float(*)[2 * thin]>(&o[0]), wg, warp,
                          g, t, thin_m, thin_l, red_sum);
   } else
-    finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_lo, l_hi, red_sum);
+    finish_rows<T>(a, work, out_row0, o, wg, row_lo, t, {m_lo, m_hi}, l_lo, l_hi, red_sum,
+                   smem + kKOff);
   if (tma && tid == 0) {  // every wait on full_bar of this piece is behind the barrier above
     mbar_inval(&full_bar[0]);
     mbar_inval(&full_bar[1]);
