@@ -1708,9 +1708,10 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 //   2. its lanes are col_lanes = min(32, chunk float4) column lanes x 32 / col_lanes split
 //      groups; group g adds w_s O_s for s = g, g + groups, ... into 1-4 float4 per lane
 //      (independent 16-byte loads; a partial's column lanes read >= 128 consecutive bytes),
-//      the loads of 4 partials per group at a time all issued before any add (combine_rows'
-//      kBatch: (4, 128, 4k), 16 partials a row, 44.0 -> 39.5 us on an H100, (16, 128, 4k)
-//      65.1 -> 63.5, 2026-12-07, twenty-seventh session);
+//      where rows expect at least kCombineBatch partials, the loads of that many partials
+//      per group at a time all issued before any add (combine_rows' kBatch: (4, 128, 4k),
+//      16 partials a row, 44.0 -> 39.5 us on an H100, (16, 128, 4k) 65.1 -> 63.5,
+//      2026-12-07, twenty-seventh session);
 //   3. the groups' sums meet by xor shuffles; the first group scales by 1 / total and writes.
 // A partial with LSE -inf wrote no output and is never added (its workspace may hold
 // anything, even NaN; the batched loads may read it). Where a row's partials are: per-request
@@ -1723,8 +1724,10 @@ __global__ void __launch_bounds__(ROWS / 16 * 128, ROWS == 64 || STAGES > kStage
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int kCombineInvariantChunks = 4;
+constexpr int kCombineBatch = 4;
 
-template <class T>
+// kBatch: combine_rows' (1, or kCombineBatch for rows of at least that many partials).
+template <class T, int kBatch>
 __global__ void __launch_bounds__(kCombineThreads)
     decode_combine_kernel(const DecodeArgs a, int chunks) {
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
@@ -1738,7 +1741,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // under PDL their latency overlaps the split kernel's tail.)
   const RowPartials rp[1] = {row_partials(a, item, r, row)};
   if (a.balanced && rp[0].S <= 1) return;
-  combine_rows<T, 1, 4>(a, rp, r, chunk, chunks, lane);
+  combine_rows<T, 1, kBatch>(a, rp, r, chunk, chunks, lane);
 }
 
 // ---- combine, many partials per row: one CTA per (row, column chunk) ---------------------
@@ -2295,20 +2298,24 @@ bool choose_row16_warp_own(const DecodePlan& plan, CacheFormat format) {
          (format == CacheFormat::bf16 || format == CacheFormat::fp16);
 }
 
+// The partials a row expects: per-request splits, or balanced workers over the pairs.
+int64_t partials_per_row(const DecodePlan& plan, int64_t pairs) {
+  return plan.schedule == DecodeSchedule::balanced
+             ? ceil_div(int64_t(plan.num_workers), std::max<int64_t>(pairs, 1))
+             : plan.num_splits;
+}
+
 // Whether the rows of a batch of `pairs` (request, row tile) pairs collect more than 32
-// partials on average (a few long requests: 4 x 256K keys cut into ~66 pieces each):
-// per-request splits, or balanced workers over the pairs. Such rows take the combine's CTA-per-row
-// form (the warp form walks the LSEs three times and reads the partials one after another: measured
-// on H200 (2026-12-03), (4, 12, 256K) 311.4-313.2 against 320.8-322.5 us; lower thresholds
+// partials on average (partials_per_row; a few long requests: 4 x 256K keys cut into ~66
+// pieces each). Such rows take the combine's CTA-per-row form (the warp form walks the LSEs
+// three times and reads the partials one after another: measured on H200 (2026-12-03),
+// (4, 12, 256K) 311.4-313.2 against 320.8-322.5 us; lower thresholds
 // (8, 4, 2; KMLA_DECODE_COMBINE_ROWS_PARTS) gained nothing at (32, 12, 32K) (~8 partials)
 // and cost fp8_ds_mla 10 % at 2), so such balanced plans keep the combine launch rather
 // than the fused merge, a warp per row (H200, 2026-12-05: (4, 12, 256K) 329.4 fused against
 // 297.2).
 bool many_partials(const DecodePlan& plan, int64_t pairs) {
-  const int64_t parts = plan.schedule == DecodeSchedule::balanced
-                            ? ceil_div(int64_t(plan.num_workers), std::max<int64_t>(pairs, 1))
-                            : plan.num_splits;
-  return parts > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
+  return partials_per_row(plan, pairs) > env_int("KMLA_DECODE_COMBINE_ROWS_PARTS", 32);
 }
 
 }  // namespace
@@ -2802,9 +2809,16 @@ void run_combine(const DecodeArgs& a, const DecodePlan& plan, DType act, cudaStr
       if (rows_form && (forced == 4 || forced == 8 || forced == 16 || forced == 32))
         chunks = forced;
     }
+    // The warp form batches its loads (kCombineBatch partials at a time) where rows expect
+    // that many partials; with fewer its registers would only halve the CTAs per SM (115
+    // against 64: the DSpark draft, 2 partials a row in 512 CTAs, 224.4 -> 226.1 us on an H100).
+    const bool batched =
+        partials_per_row(plan, int64_t(a.num_requests) * a.row_tiles) >= kCombineBatch;
     const dim3 grid(unsigned(rows_form ? items * chunks : ceil_div(items * chunks, kCombineWarps)));
-    launch_after_split(rows_form ? decode_combine_rows_kernel<T> : decode_combine_kernel<T>, grid,
-                       kCombineThreads, 0, stream, plan.programmatic_combine, 1, a, chunks);
+    launch_after_split(rows_form ? decode_combine_rows_kernel<T>
+                       : batched ? decode_combine_kernel<T, kCombineBatch>
+                                 : decode_combine_kernel<T, 1>,
+                       grid, kCombineThreads, 0, stream, plan.programmatic_combine, 1, a, chunks);
   });
 }
 

@@ -126,52 +126,56 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
       }
     }
   };
-  if (S <= 32 && kBatch > 1) {
-    // kBatch partials per group at a time, all their loads first: each load is unconditional
-    // (a partial past S reads partial S - 1 again, an empty one whatever its slot holds) and
-    // only the adds test the weight, so the loads of a batch go out together instead of one
-    // round trip per partial behind each test. Same partials, same order, same sums.
-    for (int s0 = 0; s0 < S; s0 += kBatch * groups) {  // uniform over the warp (the shuffle)
-      float4 v[kBatch][K][4];
-      float w[kBatch][K];
+  if (S <= 32) {
+    if constexpr (kBatch > 1) {
+      // kBatch partials per group at a time, all their loads first: a load tests only that its
+      // partial exists (an empty one loads whatever its slot holds) and only the adds test the
+      // weight, so the loads of a batch go out together instead of one round trip per partial
+      // behind each test. Same partials, same order, same sums.
+      for (int s0 = 0; s0 < S; s0 += kBatch * groups) {  // uniform over the warp (the shuffle)
+        float4 v[kBatch][K][4];
+        float w[kBatch][K];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int s = s0 + b * groups + group;
+        for (int b = 0; b < kBatch; ++b) {
+          const int s = s0 + b * groups + group;
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          w[b][k] = __shfl_sync(0xffffffffu, my_w[k], s & 31);
-          if (s >= S) w[b][k] = 0.0f;
-          const float* o = o_at(k, min(s, S - 1)) + col0;
+          for (int k = 0; k < K; ++k) {
+            w[b][k] = __shfl_sync(0xffffffffu, my_w[k], s & 31);
+            if (s >= S) w[b][k] = 0.0f;
+            const float* o = o_at(k, min(s, S - 1)) + col0;
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (j < per_lane) v[b][k][j] = *reinterpret_cast<const float4*>(o + 4 * col_lanes * j);
+            for (int j = 0; j < 4; ++j)
+              v[b][k][j] = j < per_lane && s < S
+                               ? *reinterpret_cast<const float4*>(o + 4 * col_lanes * j)
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
         }
-      }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
+        for (int b = 0; b < kBatch; ++b) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          if (w[b][k] == 0.0f) continue;  // never adds an empty partial's (maybe NaN) slot
+          for (int k = 0; k < K; ++k) {
+            if (w[b][k] == 0.0f) continue;  // never adds an empty partial's (maybe NaN) slot
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (j < per_lane) {
-              sum[k][j].x += w[b][k] * v[b][k][j].x;
-              sum[k][j].y += w[b][k] * v[b][k][j].y;
-              sum[k][j].z += w[b][k] * v[b][k][j].z;
-              sum[k][j].w += w[b][k] * v[b][k][j].w;
+            for (int j = 0; j < 4; ++j) {
+              if (j < per_lane) {
+                sum[k][j].x += w[b][k] * v[b][k][j].x;
+                sum[k][j].y += w[b][k] * v[b][k][j].y;
+                sum[k][j].z += w[b][k] * v[b][k][j].z;
+                sum[k][j].w += w[b][k] * v[b][k][j].w;
+              }
             }
           }
         }
       }
-    }
-  } else if (S <= 32) {
+    } else {
 #pragma unroll 4
-    for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
-      const int s = s0 + group;
+      for (int s0 = 0; s0 < S; s0 += groups) {  // uniform over the warp (the shuffle)
+        const int s = s0 + group;
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const float w = __shfl_sync(0xffffffffu, my_w[k], s & 31);
-        if (s < S && w != 0.0f) add(k, s, w);
+        for (int k = 0; k < K; ++k) {
+          const float w = __shfl_sync(0xffffffffu, my_w[k], s & 31);
+          if (s < S && w != 0.0f) add(k, s, w);
+        }
       }
     }
   } else {
