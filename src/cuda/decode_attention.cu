@@ -2656,6 +2656,10 @@ DecodeArgs decode_args(const DecodeParams& p, const DecodePlan& plan) {
              "decode: the cache base and block stride (", p.cache.block_stride,
              " B) must be 16-byte aligned");
   KMLA_CHECK(reinterpret_cast<uintptr_t>(p.q) % 16 == 0, "decode: q must be 16-byte aligned");
+  // The combine stores 4 output elements at a time; the split kernels write LSEs as floats.
+  KMLA_CHECK(
+      reinterpret_cast<uintptr_t>(p.out) % 8 == 0 && reinterpret_cast<uintptr_t>(p.lse) % 4 == 0,
+      "decode: out must be 8-byte and lse 4-byte aligned, got out ", p.out, ", lse ", p.lse);
   DecodeArgs a{};
   a.q = p.q;
   a.q_fp8 = p.q_fp8;

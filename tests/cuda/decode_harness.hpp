@@ -71,6 +71,9 @@ struct DecodeCase {
   // itself never goes below 2^-13).
   int ds_scale_exp_lo = 0, ds_scale_exp_hi = 0;
   float q_code_amp = 1.0f;  // q's 512 code-part columns are scaled by this (RoPE part not)
+  // p.out this many elements into its buffer (4: 8-byte aligned, not 16); the elements
+  // before it must stay poisoned.
+  int out_offset = 0;
   uint64_t seed = 1;
 };
 
@@ -262,7 +265,15 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
             cudaSuccess);
   DevBuf<uint8_t> d_q(q_dev);
   DevBuf<int32_t> d_tables(tables), d_seq(dev_seq), d_qlens(dev_qlens), d_start(dev_start);
-  DevBuf<uint16_t> d_out(size_t(dev_rows) * H * kKvLoraRank);
+  DevBuf<uint16_t> d_out(size_t(dev_rows) * H * kKvLoraRank + c.out_offset);
+  // The output rows (past the offset); the elements before them untouched.
+  auto download_out = [&] {
+    std::vector<uint16_t> out = d_out.download();
+    for (int i = 0; i < c.out_offset; ++i)
+      EXPECT_EQ(out[size_t(i)], 0xFFFF) << "written before the output, element " << i;
+    out.erase(out.begin(), out.begin() + c.out_offset);
+    return out;
+  };
   DevBuf<float> d_lse(size_t(dev_rows) * H);
   DevBuf<int> d_flag(1);
 
@@ -288,7 +299,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
   p.causal = c.causal;
   p.softmax_scale = softmax_scale;
   p.act = c.act;
-  p.out = d_out.ptr;
+  p.out = d_out.ptr + c.out_offset;
   p.lse = d_lse.ptr;
   p.error_flag = d_flag.ptr;
 
@@ -411,7 +422,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     else
       decode_attention(pt, plan, d_ws.ptr, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> out = d_out.download();
+    const std::vector<uint16_t> out = download_out();
     const std::vector<float> lse = d_lse.download();
     EXPECT_EQ(d_flag.download()[0], expected_flag);
     // Again on the same workspace (what the first run left there), the walk's starts found
@@ -424,7 +435,7 @@ inline void run_case(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     d_lse.fill_bytes(0xFF);
     decode_attention(p, plan, d_ws.ptr, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> out2 = d_out.download();
+    const std::vector<uint16_t> out2 = download_out();
     const std::vector<float> lse2 = d_lse.download();
     if (!sectioned)
       EXPECT_TRUE(out2 == out &&

@@ -94,6 +94,32 @@ TEST(CudaDecodeSm90, Bf16Heads128MixedLengths) {
   run_case_sm90(c, kSm90Tweaks);
 }
 
+// An output pointer that is 8-byte but not 16-byte aligned: the direct rows, staged in shared
+// memory, go out 4 bytes at a time instead of 16 (write_staged_rows), and nothing before the
+// pointer is written. One split (every piece direct) and the plan's own (partials and the
+// combine's 8-byte stores). Below 8 bytes decode refuses the pointer.
+TEST(CudaDecodeSm90, OutputNotSixteenByteAligned) {
+  KMLA_REQUIRE_GPU();
+  DecodeCase c;
+  c.heads = 128;
+  c.block_size = 64;
+  c.seq_lens = {65, 1000, 7, 300};
+  c.query_lens = {1, 1, 1, 1};
+  c.out_offset = 4;
+  c.seed = 27;
+  run_case_sm90(c, {{1, 0}, {0, 0}});
+
+  DecodeParams p;  // no requests: only the checks run
+  p.heads = 128;
+  p.cache.block_size = 64;
+  const DecodePlan plan = plan_decode(1, 128, 1, 1024, false);
+  alignas(16) static uint16_t out[8];
+  p.out = out + 2;  // 4-byte aligned
+  EXPECT_THROW(decode_attention(p, plan, nullptr, nullptr), Error);
+  p.out = out + 4;
+  EXPECT_NO_THROW(decode_attention(p, plan, nullptr, nullptr));
+}
+
 // q = 2 causal with 64 heads: 128 rows = two CTAs per request, token 0 sees one key less (and
 // none at seq_len 1); block size 16 so a 64-key tile gathers from 4+ permuted blocks.
 TEST(CudaDecodeSm90, Bf16Heads64TwoTokensCausal) {
