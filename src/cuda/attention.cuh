@@ -15,7 +15,8 @@ namespace kmla::cuda {
 //
 // q:   [rows, heads, 576] = [ql_nope 512 | q_pe 64] in the activation dtype, or e4m3 codes
 //      when q_fp8 (plain fp8 cache: value = code * q_scale).
-// out: [rows, heads, 512] in the activation dtype (one rounding of the fp32 result);
+// out: [rows, heads, 512] in the activation dtype (one rounding of the fp32 result), 8-byte
+//      aligned (16 is faster);
 // lse: [rows, heads] fp32, natural log of sum(exp(scale * s)); a row with no keys gets
 //      zeros and -inf.
 // Rows of requests with query_len 0 are not touched.
