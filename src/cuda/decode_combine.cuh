@@ -113,18 +113,18 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
   // Adds w_s O_s. A weight of 0 adds nothing: an empty partial (LSE -inf, its slot may
   // hold NaN) is never read, and one whose weight underflowed would add exact zeros (an
   // empty row's weights are all 0).
+  auto accumulate = [&](int k, int j, float w, const float4& v) {
+    sum[k][j].x += w * v.x;
+    sum[k][j].y += w * v.y;
+    sum[k][j].z += w * v.z;
+    sum[k][j].w += w * v.w;
+  };
   auto add = [&](int k, int s, float w) {
     const float* o = o_at(k, s) + col0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (j < per_lane) {
-        const float4 v = *reinterpret_cast<const float4*>(o + 4 * col_lanes * j);
-        sum[k][j].x += w * v.x;
-        sum[k][j].y += w * v.y;
-        sum[k][j].z += w * v.z;
-        sum[k][j].w += w * v.w;
-      }
-    }
+    for (int j = 0; j < 4; ++j)
+      if (j < per_lane)
+        accumulate(k, j, w, *reinterpret_cast<const float4*>(o + 4 * col_lanes * j));
   };
   if (S <= 32) {
     if constexpr (kBatch > 1) {
@@ -156,14 +156,8 @@ __device__ __forceinline__ void combine_rows(const DecodeArgs& a, const RowParti
           for (int k = 0; k < K; ++k) {
             if (w[b][k] == 0.0f) continue;  // never adds an empty partial's (maybe NaN) slot
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              if (j < per_lane) {
-                sum[k][j].x += w[b][k] * v[b][k][j].x;
-                sum[k][j].y += w[b][k] * v[b][k][j].y;
-                sum[k][j].z += w[b][k] * v[b][k][j].z;
-                sum[k][j].w += w[b][k] * v[b][k][j].w;
-              }
-            }
+            for (int j = 0; j < 4; ++j)
+              if (j < per_lane) accumulate(k, j, w[b][k], v[b][k][j]);
           }
         }
       }
