@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "cuda/decode_combine.cuh"
 #include "cuda/decode_sched.cuh"
@@ -92,6 +93,21 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// The wide S's P goes out in kPChunks parts of 64 / kPChunks keys, each part's P V issued as
+// soon as it is in (sm90_piece). Four parts made ptxas serialise the wgmmas (C7511).
+constexpr int kPChunks = 2;
+// The named barrier of P part c (1 and 3 are the narrow softmax's and the thin tiles').
+constexpr int p_bar(int c) { return c == 0 ? 2 : 3 + c; }
+// How far (log2 units) a row's tile max may pass its running max before the max moves and O
+// is rescaled (sm90_piece, tile_max).
+constexpr float kLazyRescale = 8.0f;
+// f.template operator()<I>() for I = 0 .. N - 1, in order.
+template <int N, class F>
+__device__ __forceinline__ void unroll_n(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f.template operator()<I>(), ...); }
+  (std::make_integer_sequence<int, N>{});
+}
+
 // S half of warpgroup wg: s (64 rows x keys [32 wg, 32 wg + 32) of the tile at kt) = Q K^T,
 // 36 k-steps of 16 over the 9 panels; both operands K-major. Issued and committed, not
 // waited for. The B start moves by 32 keys x 128 B = 4096 B (4 swizzle atoms).
@@ -114,11 +130,11 @@ __device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_s, uint32_t k
 // 16 keys. P (A) is K-major in its one panel (+32 B per step); V (B) is the tile's panels
 // 4 wg .. 4 wg + 3 read MN-major: panels 8192 B apart, 8-key groups 1024 B apart, a step of
 // 16 keys = 2048 B.
-template <class T>
+template <class T, int K0 = 0, int K1 = kKeys / 16>
 __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t kt, int wg) {
   const uint32_t p_lo = desc_lo(p_s, 16), v_lo = desc_lo(kt + 4 * wg * kPanelBytes, kPanelBytes);
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
+  for (int kk = K0; kk < K1; ++kk)
     wgmma_ss_m64n256k16<T, true>(
         o, make_desc_halves(p_lo + 2 * kk, kDescHi),
         make_desc_halves(v_lo + ((kk * 16 * kPanelRowBytes) >> 4), kDescHi), true);
@@ -130,11 +146,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_s, uint32_t
 // For a fixed i the 32 lanes write 8 rows x 4 words; the swizzle puts the 8 rows on 8
 // different chunk columns, so the 32 stores hit 32 different banks.
 // With NB = 8 (the wide S of one warpgroup, wg = 0) the same for all 64 keys, chunk i.
-template <class T, int NB = 4>
+template <class T, int NB = 4, int I0 = 0, int I1 = NB>
 __device__ __forceinline__ void store_p(uint8_t* p_s, const float (&p)[4 * NB], int wg, int warp,
                                         int g, int t) {
 #pragma unroll
-  for (int i = 0; i < NB; ++i) {
+  for (int i = I0; i < I1; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * warp + g + 8 * h;
@@ -762,15 +778,21 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 
     // ---- S (half per warpgroup, or all of it on warpgroup 0), online softmax in base 2 ----
     float corr_lo = 1.0f, corr_hi = 1.0f;  // O rescale factors of my two rows
-    // softmax<NB>: this thread's NB blocks of 8 keys from key `koff` of the tile; masked keys
+    float mref_lo = 0.0f, mref_hi = 0.0f;  // the maxima p is taken against
+    // tile_max<NB>: this thread's NB blocks of 8 keys from key `koff` of the tile; masked keys
     // -inf. The tile max of a row comes from the other warpgroup's half through red_max
-    // (NB = 4) or is complete already (NB = 8). Leaves p in sv, updates m and l, returns
-    // whether a row's max moved. `whole`: every key of the tile is loaded and visible to every
-    // row of the request in the tile, so nothing is masked (rows past the request see zeros
-    // of Q: their p are never written out). The maxima are taken over the raw scores and then
-    // scaled (the scale is positive, so that is the same number), and p = 2^(s scale - m) in
-    // one fma: the scale multiply of every score is gone from the chain.
-    auto softmax = [&]<int NB>(float(&sv)[4 * NB], int koff, bool whole) -> bool {
+    // (NB = 4) or is complete already (NB = 8). Updates m (lazily, below), corr and l's scale;
+    // returns whether a row's m moved. `whole`: every key of the tile is loaded and visible to
+    // every row of the request in the tile, so nothing is masked (rows past the request see
+    // zeros of Q: their p are never written out). The maxima are taken over the raw scores
+    // and then scaled (the scale is positive, so that is the same number), and p = 2^(s scale
+    // - m) in one fma: the scale multiply of every score is gone from the chain.
+    // Lazy rescale: m moves only when a row's tile max passes it by more than kLazyRescale
+    // (log2 units), so p <= 2^kLazyRescale = 256 (exact in T's exponent range, rounded with
+    // the same relative error) and, once m has settled near a row's true max, O is almost never
+    // rescaled: on random scores of amplitude 1 a row's max moved on most of a piece's first
+    // few dozen tiles, each costing both warpgroups 128 multiplies on the path to their P V.
+    auto tile_max = [&]<int NB>(float(&sv)[4 * NB], int koff, bool whole) -> bool {
       if (!whole) {
         const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
         const uint8_t* ok = key_ok_s + stage * kKeys + koff + 2 * t;
@@ -807,83 +829,100 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         mx_hi = fmaxf(red_max[row_hi], red_max[kRows + row_hi]);
       }
       const float scale = a.score_scale_log2;
-      const float mnew_lo = fmaxf(m_lo, mx_lo * scale), mnew_hi = fmaxf(m_hi, mx_hi * scale);
+      mx_lo *= scale;
+      mx_hi *= scale;
+      // (m = -inf: any visible key moves it; none leaves it -inf.)
+      const float mnew_lo = mx_lo > m_lo + kLazyRescale ? mx_lo : m_lo;
+      const float mnew_hi = mx_hi > m_hi + kLazyRescale ? mx_hi : m_hi;
       const bool moved = mnew_lo != m_lo || mnew_hi != m_hi;
       // With no visible key yet (m = -inf) subtract 0 instead: -inf - -inf would be NaN.
-      const float mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
-      const float mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
+      mref_lo = mnew_lo == kNegInf ? 0.0f : mnew_lo;
+      mref_hi = mnew_hi == kNegInf ? 0.0f : mnew_hi;
       corr_lo = fast_exp2(m_lo - mref_lo);
       corr_hi = fast_exp2(m_hi - mref_hi);
-      float sum_lo = 0.0f, sum_hi = 0.0f;
+      l_lo *= corr_lo;
+      l_hi *= corr_hi;
+      m_lo = mnew_lo;
+      m_hi = mnew_hi;
+      return moved;
+    };
+    // p of blocks [I0, I1) of sv (after tile_max), added to l and stored (rounded to T) into
+    // the P panel, fenced for the wgmma reads.
+    auto exp_store = [&]<int NB, int I0, int I1>(float(&sv)[4 * NB]) {
+      const float scale = a.score_scale_log2;
 #pragma unroll
-      for (int i = 0; i < NB; ++i) {
+      for (int i = I0; i < I1; ++i) {
         sv[4 * i] = fast_exp2(fmaf(sv[4 * i], scale, -mref_lo));
         sv[4 * i + 1] = fast_exp2(fmaf(sv[4 * i + 1], scale, -mref_lo));
         sv[4 * i + 2] = fast_exp2(fmaf(sv[4 * i + 2], scale, -mref_hi));
         sv[4 * i + 3] = fast_exp2(fmaf(sv[4 * i + 3], scale, -mref_hi));
-        sum_lo += sv[4 * i] + sv[4 * i + 1];
-        sum_hi += sv[4 * i + 2] + sv[4 * i + 3];
+        l_lo += sv[4 * i] + sv[4 * i + 1];
+        l_hi += sv[4 * i + 2] + sv[4 * i + 3];
       }
-      l_lo = l_lo * corr_lo + sum_lo;
-      l_hi = l_hi * corr_hi + sum_hi;
-      m_lo = mnew_lo;
-      m_hi = mnew_hi;
-      store_p<T, NB>(smem + kPOff, sv, wg, warp, g, t);
-      fence_proxy_async();  // my P stores -> the other warpgroup's wgmma reads
-      return moved;
+      store_p<T, NB, I0, I1>(smem + kPOff, sv, wg, warp, g, t);
+      fence_proxy_async();  // my P stores -> both warpgroups' wgmma reads
     };
-    bool moved = false;
+    // Once the running maxima settle corr is 1 and the 128 multiplications change nothing
+    // (2^0 is exactly 1; a row without keys yet has O = 0): a warp skips them when none of
+    // its rows' max moved. Warp-uniform, so no divergence.
+    auto rescale_o = [&](bool moved) {
+      if (flags.skip_rescale && !__any_sync(0xffffffffu, moved)) return;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        o[4 * i] *= corr_lo;
+        o[4 * i + 1] *= corr_lo;
+        o[4 * i + 2] *= corr_hi;
+        o[4 * i + 3] *= corr_hi;
+      }
+    };
     if constexpr (!kWideS) {
       float(&sh)[16] = *reinterpret_cast<float(*)[16]>(&s[0]);
       wgmma_fence();
       issue_s<T>(sh, q_s, kt, wg);
       wgmma_wait<0>();
       fence_regs(sh);
-      moved = softmax.template operator()<4>(sh, kHalfKeys * wg, whole);
-    } else if (wg == 0) {
+      const bool moved = tile_max.template operator()<4>(sh, kHalfKeys * wg, whole);
+      exp_store.template operator()<4, 0, 4>(sh);
+      rescale_o(moved);
+      named_barrier(2, kThreads);  // both halves of P are in
       wgmma_fence();
-      issue_s_wide<T>(s, q_s, kt);
-      wgmma_wait<0>();
-      fence_regs(s);
-      moved = softmax.template operator()<8>(s, 0, whole);
-      if (t == 0) {  // the rescale factors, for warpgroup 1 (red_max is free in this form)
-        red_max[row_lo] = corr_lo;
-        red_max[row_hi] = corr_hi;
-      }
-    }
-    // Once the running maxima settle (after a few tiles on most rows) corr is 1 and the 128
-    // multiplications change nothing (2^0 is exactly 1; a row without keys yet has O = 0): a
-    // warp skips them when none of its rows' max moved. Warp-uniform, so no divergence.
-    if (!kWideS || wg == 0) {
-      if (!flags.skip_rescale || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          o[4 * i] *= corr_lo;
-          o[4 * i + 1] *= corr_lo;
-          o[4 * i + 2] *= corr_hi;
-          o[4 * i + 3] *= corr_hi;
+      issue_pv<T>(o, p_s, kt, wg);
+    } else {
+      // The wide S: warpgroup 0 computes S and the softmax, P goes out in two halves of 32
+      // keys, and both warpgroups issue their P V of a half as soon as it is in, so the
+      // exponentials of keys 32-63 run under the P V of keys 0-31 (kPChunks).
+      constexpr int kBlocks = 8 / kPChunks, kSteps = kKeys / 16 / kPChunks;
+      if (wg == 0) {
+        wgmma_fence();
+        issue_s_wide<T>(s, q_s, kt);
+        wgmma_wait<0>();
+        fence_regs(s);
+        const bool moved = tile_max.template operator()<8>(s, 0, whole);
+        if (t == 0) {  // the rescale factors, for warpgroup 1 (red_max is free in this form)
+          red_max[row_lo] = corr_lo;
+          red_max[row_hi] = corr_hi;
         }
+        unroll_n<kPChunks>([&]<int c>() {
+          exp_store.template operator()<8, c * kBlocks, (c + 1) * kBlocks>(s);
+          // (The sync also orders warpgroup 0's own warps: each wgmma reads all their P rows.)
+          named_bar_sync<p_bar(c), kThreads>();
+          if (c == 0) rescale_o(moved);
+          wgmma_fence();
+          issue_pv<T, c * kSteps, (c + 1) * kSteps>(o, p_s, kt, 0);
+        });
+      } else {
+        unroll_n<kPChunks>([&]<int c>() {
+          named_bar_sync<p_bar(c), kThreads>();
+          if (c == 0) {  // warpgroup 0's factors for my rows
+            corr_lo = red_max[row_lo];
+            corr_hi = red_max[row_hi];
+            rescale_o(corr_lo != 1.0f || corr_hi != 1.0f);
+          }
+          wgmma_fence();
+          issue_pv<T, c * kSteps, (c + 1) * kSteps>(o, p_s, kt, 1);
+        });
       }
     }
-    named_barrier(2, kThreads);  // both halves of P are in (wide: all of P and corr)
-    if (kWideS && wg == 1) {
-      // Warpgroup 0's factors for my rows; multiplying by exactly 1 changes nothing.
-      corr_lo = red_max[row_lo];
-      corr_hi = red_max[row_hi];
-      if (!flags.skip_rescale || __any_sync(0xffffffffu, corr_lo != 1.0f || corr_hi != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          o[4 * i] *= corr_lo;
-          o[4 * i + 1] *= corr_lo;
-          o[4 * i + 2] *= corr_hi;
-          o[4 * i + 3] *= corr_hi;
-        }
-      }
-    }
-
-    // ---- O half += P V ----
-    wgmma_fence();
-    issue_pv<T>(o, p_s, kt, wg);
     wgmma_wait<0>();
     fence_regs(o);
   }
