@@ -77,6 +77,11 @@ constexpr int kProbeSmemAlloc = 2 * kTileBytes + kPanelBytes + 1024;
   return uint32_t((c >> 3) * kPanelBytes) + swizzle128(row, c & 7);
 }
 
+// How far (log2 units) a row's tile max may pass its running max before the max moves and O
+// is rescaled (sm90_piece, tile_max). A compile-time constant: as a kernel argument it made
+// ptxas serialise the wide kernels' wgmmas (C7511).
+constexpr float kLazyRescale = 8.0f;
+
 #if KMLA_SM90A
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
@@ -93,14 +98,9 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-// The wide S's P goes out in kPChunks parts of 64 / kPChunks keys, each part's P V issued as
-// soon as it is in (sm90_piece). Four parts made ptxas serialise the wgmmas (C7511).
-constexpr int kPChunks = 2;
-// The named barrier of P part c (1 and 3 are the narrow softmax's and the thin tiles').
+// The named barrier of P part c (sm90_piece's kParts; 1 and 3 are the narrow softmax's and the
+// thin tiles').
 constexpr int p_bar(int c) { return c == 0 ? 2 : 3 + c; }
-// How far (log2 units) a row's tile max may pass its running max before the max moves and O
-// is rescaled (sm90_piece, tile_max).
-constexpr float kLazyRescale = 8.0f;
 // f.template operator()<I>() for I = 0 .. N - 1, in order.
 template <int N, class F>
 __device__ __forceinline__ void unroll_n(F&& f) {
@@ -460,10 +460,12 @@ struct KernelFlags {
 // The kernel runs one piece of work (decode_sched.cuh) per call; under the balanced schedule a
 // CTA runs several in turn, so the TMA mbarriers are invalidated at the end of each piece and
 // initialised afresh (phase 0) by the next.
-template <class T, bool kWideS, int kThin>
+template <class T, bool kWideS, int kThin, int kParts = 1>
 __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork& work,
                                            const KernelFlags& flags, const CUtensorMap& kmap) {
   static_assert(kThin == 0 || (kWideS && (kThin == 16 || kThin == 32)), "thin tiles: 16 or 32");
+  // (Four parts made ptxas serialise the wgmmas, C7511.)
+  static_assert(kParts == 1 || (kWideS && kParts == 2), "P in one part, or two with the wide S");
 #if KMLA_SM90A
   constexpr int thin = kThin;
   __shared__ __align__(8) uint64_t full_bar[2];  // TMA: tile landed in stage 0 / 1
@@ -788,10 +790,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     // and then scaled (the scale is positive, so that is the same number), and p = 2^(s scale
     // - m) in one fma: the scale multiply of every score is gone from the chain.
     // Lazy rescale: m moves only when a row's tile max passes it by more than kLazyRescale
-    // (log2 units), so p <= 2^kLazyRescale = 256 (exact in T's exponent range, rounded with
-    // the same relative error) and, once m has settled near a row's true max, O is almost never
-    // rescaled: on random scores of amplitude 1 a row's max moved on most of a piece's first
-    // few dozen tiles, each costing both warpgroups 128 multiplies on the path to their P V.
+    // (log2 units), so p <= 2^kLazyRescale = 256 (within T's range, rounded with the same
+    // relative error; l and O in fp32) and O / l and the LSE are the same softmax. A row's
+    // exact max is new in tile t with chance ~1 / t, so a warp's 16 rows rescaled O on most
+    // of a piece's first few dozen tiles (128 multiplies per warpgroup, on the path to its
+    // P V); a max that grows by 2^8 is rare once the first tile is in.
     auto tile_max = [&]<int NB>(float(&sv)[4 * NB], int koff, bool whole) -> bool {
       if (!whole) {
         const int kpos = key0 + tile * kKeys + koff + 2 * t;  // my column 0's key
@@ -888,10 +891,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       wgmma_fence();
       issue_pv<T>(o, p_s, kt, wg);
     } else {
-      // The wide S: warpgroup 0 computes S and the softmax, P goes out in two halves of 32
-      // keys, and both warpgroups issue their P V of a half as soon as it is in, so the
-      // exponentials of keys 32-63 run under the P V of keys 0-31 (kPChunks).
-      constexpr int kBlocks = 8 / kPChunks, kSteps = kKeys / 16 / kPChunks;
+      // The wide S: warpgroup 0 computes S and the softmax. With kParts = 2
+      // (DecodeSm90Options::split_p) P goes out in two halves of 32 keys and both warpgroups
+      // issue their P V of a half as soon as it is in, so the exponentials of keys 32-63 run
+      // under the P V of keys 0-31.
+      constexpr int kBlocks = 8 / kParts, kSteps = kKeys / 16 / kParts;
       if (wg == 0) {
         wgmma_fence();
         issue_s_wide<T>(s, q_s, kt);
@@ -902,7 +906,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
           red_max[row_lo] = corr_lo;
           red_max[row_hi] = corr_hi;
         }
-        unroll_n<kPChunks>([&]<int c>() {
+        unroll_n<kParts>([&]<int c>() {
           exp_store.template operator()<8, c * kBlocks, (c + 1) * kBlocks>(s);
           // (The sync also orders warpgroup 0's own warps: each wgmma reads all their P rows.)
           named_bar_sync<p_bar(c), kThreads>();
@@ -911,7 +915,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
           issue_pv<T, c * kSteps, (c + 1) * kSteps>(o, p_s, kt, 0);
         });
       } else {
-        unroll_n<kPChunks>([&]<int c>() {
+        unroll_n<kParts>([&]<int c>() {
           named_bar_sync<p_bar(c), kThreads>();
           if (c == 0) {  // warpgroup 0's factors for my rows
             corr_lo = red_max[row_lo];
@@ -948,8 +952,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
 
 // One piece per CTA (per-request schedule) or a worker's balanced share, one piece after
 // the other.
-// kWideS: DecodeSm90Options::wide_s.
-template <class T, bool kWideS>
+// kWideS: DecodeSm90Options::wide_s; kParts: split_p (2) or not (1).
+template <class T, bool kWideS, int kParts = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_sm90_kernel(const DecodeArgs a, const KernelFlags flags,
                        const __grid_constant__ CUtensorMap kmap) {
@@ -964,7 +968,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kWideS && w.row0 == 0 && w.nrows <= 16 && w.nrows <= flags.thin_rows)
           sm90_piece<T, kWideS, kWideS ? 16 : 0>(a, w, flags, kmap);
         else
-          sm90_piece<T, kWideS, 0>(a, w, flags, kmap);
+          sm90_piece<T, kWideS, 0, kParts>(a, w, flags, kmap);
       },
       [&](const DecodeWork* cuts, int n) { merge_cut_pieces<T>(a, cuts, n); });
 }
@@ -1062,6 +1066,7 @@ DecodeSm90Options& current_options() {
     o.issue_wg1 = env_switch("KMLA_DECODE_SM90_ISSUE_WG1", o.issue_wg1);
     o.early_issue = env_switch("KMLA_DECODE_SM90_EARLY_ISSUE", o.early_issue);
     o.one_copy = env_switch("KMLA_DECODE_SM90_ONE_COPY", o.one_copy);
+    o.split_p = env_switch("KMLA_DECODE_SM90_SPLIT_P", o.split_p);
     o.min_rows = env_int_in("KMLA_DECODE_SM90_MIN_ROWS", o.min_rows, 0, kRows - 1);
     o.thin_rows = env_int_in("KMLA_DECODE_SM90_THIN_ROWS", o.thin_rows, 0, 32);
     o.small_min_requests =
@@ -1196,7 +1201,9 @@ void launch_decode_sm90(DecodeArgs& a, DType act, dim3 grid, cudaStream_t stream
     CUtensorMap kmap{};
     bool one_copy = false;
     const int group = tma_keys_for(a, act, kmap, one_copy);
-    auto* kernel = o.wide_s ? decode_sm90_kernel<T, true> : decode_sm90_kernel<T, false>;
+    auto* kernel = !o.wide_s   ? decode_sm90_kernel<T, false>
+                   : o.split_p ? decode_sm90_kernel<T, true, 2>
+                               : decode_sm90_kernel<T, true, 1>;
     if (decode_sm90_thin_tile(a.max_rows) == 32) kernel = decode_sm90_thin_kernel<T, 32>;
     // A host-side attribute (no sync, allowed during graph capture), set on every launch so
     // that it holds on whichever device is current.

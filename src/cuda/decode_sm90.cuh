@@ -49,6 +49,8 @@ bool decode_sm90_takes_rows(int rows, int num_requests, int64_t max_seq_len, Cac
 //   KMLA_DECODE_SM90_ONE_COPY=0|1      with TMA and 64-key groups, a tile in one 4-D copy
 //                                      instead of one copy per 64-column panel (default 1:
 //                                      2-3 % on the 128 / 64-head shapes, H100, 2026-12-06)
+//   KMLA_DECODE_SM90_SPLIT_P=0|1       with the wide S, P in two halves, each half's P V
+//                                      issued as it lands (default 1)
 //   KMLA_DECODE_SM90_MIN_ROWS=n        plans give requests of more than n rows (0..63) the
 //                                      wgmma kernel's 64-row tile (a 16-bit cache on sm_90);
 //                                      fewer keep the mma.sync kernel's 16 / 32-row tiles
@@ -69,6 +71,9 @@ struct DecodeSm90Options {
   bool issue_wg1 = true;
   bool early_issue = true;
   bool one_copy = true;  // block sizes that 64 divides: a tile in one 4-D tensor copy
+  // The wide S's P in two halves of 32 keys, each half's P V issued as soon as it is in (the
+  // exponentials of the second half run under the first's P V).
+  bool split_p = true;
   int min_rows = 16;     // requests of more rows (heads x max_query_len) take 64-row tiles
   // Requests of at most min(16, thin_rows) rows, and launches of at most thin_rows (0..32) rows
   // per request, run as thin tiles (the wide S only): keys in the MMAs' M, rows in N (16 or 32),

@@ -50,6 +50,7 @@ void run_case_sm90(const DecodeCase& c, const std::vector<PlanTweak>& tweaks,
     variants.push_back(
         {"tma, narrow S, no rescale skip", {.skip_rescale = false, .wide_s = false}});
     variants.push_back({"tma, a copy per panel", {.one_copy = false}});
+    variants.push_back({"tma, P in one part", {.split_p = false}});
     variants.push_back({"tma, no thin tiles", {.thin_rows = 0}});
     variants.push_back({"tma, thin tiles of 16 rows only", {.thin_rows = 16}});
     variants.push_back({"cp.async", {.tma = false, .wide_s = false}});
