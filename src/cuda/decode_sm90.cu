@@ -691,7 +691,8 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         const int row = thin_row(i, t);
         const float m4 = fmaxf(fmaxf(red_sum[row], red_sum[32 + row]),
                                fmaxf(red_sum[64 + row], red_sum[96 + row]));
-        const float mnew = fmaxf(thin_m[i], m4 * scale);
+        // Lazy, as tile_max below: the max moves only past a margin of 2^kLazyRescale.
+        const float mnew = m4 * scale > thin_m[i] + kLazyRescale ? m4 * scale : thin_m[i];
         moved = moved || mnew != thin_m[i];
         mref[i] = mnew == kNegInf ? 0.0f : mnew;  // no visible key yet: as in softmax
         corr[i] = fast_exp2(thin_m[i] - mref[i]);

@@ -123,17 +123,21 @@ TEST(CudaDecodeSm90, OutputNotSixteenByteAligned) {
 
 // Sharp attention: Q's code part x 24 spreads a row's scores over tens of binades, so its
 // running max keeps rising by more than 2^8 well after the first tile (on random data of
-// amplitude 1 it settles there), and the O rescales of both warpgroups run on later tiles.
+// amplitude 1 it settles there), and the O rescales run on later tiles: both warpgroups' in
+// the 64-row tile (128 heads), and the thin tile's (12 heads x 2 causal tokens = 24 rows).
 TEST(CudaDecodeSm90, SharpScoresRescaleLate) {
   KMLA_REQUIRE_GPU();
-  DecodeCase c;
-  c.heads = 128;
-  c.block_size = 64;
-  c.seq_lens = {4100, 777, 64, 1, 2000};
-  c.query_lens = {1, 1, 1, 1, 1};
-  c.q_code_amp = 24.0f;
-  c.seed = 28;
-  run_case_sm90(c, {{0, 0}, {1, 0}, {3, 0}});
+  for (const int heads : {128, 12}) {
+    DecodeCase c;
+    c.heads = heads;
+    c.block_size = 64;
+    c.seq_lens = {4100, 777, 64, 1, 2000};
+    const int qlen = heads == 12 ? 2 : 1;
+    c.query_lens.assign(c.seq_lens.size(), qlen);
+    c.q_code_amp = 24.0f;
+    c.seed = 28 + heads;
+    run_case_sm90(c, {{0, 0}, {1, 0}, {3, 0}});
+  }
 }
 
 // q = 2 causal with 64 heads: 128 rows = two CTAs per request, token 0 sees one key less (and
