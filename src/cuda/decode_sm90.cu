@@ -80,7 +80,7 @@ constexpr int kProbeSmemAlloc = 2 * kTileBytes + kPanelBytes + 1024;
 // How far (log2 units) a row's tile max may pass its running max before the max moves and O
 // is rescaled (sm90_piece, tile_max). A compile-time constant: as a kernel argument it made
 // ptxas serialise the wide kernels' wgmmas (C7511).
-constexpr float kLazyRescale = 8.0f;
+[[maybe_unused]] constexpr float kLazyRescale = 8.0f;
 
 #if KMLA_SM90A
 
