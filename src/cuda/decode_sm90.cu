@@ -520,9 +520,17 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       cp_async16_key(dst + tile_offset(my_key, c), src + c * 16, ok);
   };
 
+  // The loop's switches, pinned in a register by an empty asm the compiler cannot see through:
+  // left to it, they were reloaded from the parameter bank (and branched on) at every tile, on
+  // the chain from the tile barrier to S, where the tensor pipe idles.
+  int pinned = (flags.tma_keys << 8) | (flags.profile << 4) | (flags.early_issue ? 2 : 0) |
+               (flags.skip_rescale ? 1 : 0);
+  asm volatile("" : "+r"(pinned));
+  const int profile = (pinned >> 4) & 15;
+  const bool skip_rescale = pinned & 1;
   // TMA: lane j of the issuing warp takes keys [G j, G j + G) of every tile (see above the
   // kernel).
-  const int tma_keys = flags.tma_keys;
+  const int tma_keys = pinned >> 8;
   const bool tma = tma_keys > 0;
   const int lane_c = tid & 31;
   // The warp that issues the copies: with the wide S (and flags.issue_wg1) warp 4, the first
@@ -532,7 +540,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   // flags.early_issue: the copies of tile t + 1 go out right after the tile barrier (their
   // stage, that of t - 1, is free there) and only then does everyone wait for tile t, so two
   // tiles are in flight; else the wait for tile t comes before the barrier.
-  const bool early = tma && flags.early_issue;
+  const bool early = tma && (pinned & 2);
   auto fetch_group = [&](int tile) -> int {
     const int pos = key0 + tile * kKeys + tma_keys * lane_c;
     return issuer && tile < ntiles && tma_keys * lane_c < kKeys && pos < key1
@@ -598,7 +606,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       issue_tma(tile, block);
   };
   // Which tiles get loaded at all (the "compute" profile stops after tile 1).
-  auto loaded = [&](int tile) { return flags.profile != 1 || tile < 2; };
+  auto loaded = [&](int tile) { return profile != 1 || tile < 2; };
 
   if (tma) {
     if (tid == 0) {
@@ -726,7 +734,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         }
       }
     };
-    if (wg == 0 && (!flags.skip_rescale || __any_sync(0xffffffffu, moved))) rescale();
+    if (wg == 0 && (!skip_rescale || __any_sync(0xffffffffu, moved))) rescale();
     named_barrier(2, kThreads);  // all of P^T and the factors are in
     if (wg == 1) {
       bool ne = false;
@@ -735,7 +743,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
         corr[i] = red_max[thin_row(i, t)];
         ne = ne || corr[i] != 1.0f;
       }
-      if (!flags.skip_rescale || __any_sync(0xffffffffu, ne)) rescale();
+      if (!skip_rescale || __any_sync(0xffffffffu, ne)) rescale();
     }
     wgmma_fence();
     issue_pv_thin<T, N>(ot, p_s, kt, wg);
@@ -747,8 +755,12 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
   for (int tile = 0; tile < ntiles; ++tile) {
     const int stage = tile & 1;
     const uint32_t kt = base + kKOff + stage * kTileBytes;
-    cp_async_wait_all();  // my copies of this tile (and of Q) have landed
-    fence_proxy_async();  // ... and are visible to the wgmma reads that follow
+    // With TMA only Q came by cp.async (tile 0 waits for it); the tiles' bytes are async-proxy
+    // writes that the mbarrier orders before the wgmma reads.
+    if (!tma || tile == 0) {
+      cp_async_wait_all();  // my copies of this tile (and of Q) have landed
+      fence_proxy_async();  // ... and are visible to the wgmma reads that follow
+    }
     if (tma && !early && loaded(tile)) mbar_wait(full_bar_a + 8 * stage, uint32_t(tile >> 1) & 1u);
     __syncthreads();      // everyone's copies; tile - 1 fully consumed (its PV waited)
     if (tile + 1 < ntiles && loaded(tile + 1)) {  // into tile - 1's stage
@@ -756,9 +768,10 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       next_block = fetch(tile + 2);
       issue_any(tile + 1, b);
     }
-    cp_async_commit();
+    if (!tma) cp_async_commit();
     if (early && loaded(tile)) mbar_wait(full_bar_a + 8 * stage, uint32_t(tile >> 1) & 1u);
-    if (tma && fix_s[stage]) {
+    const bool fix = tma && fix_s[stage];
+    if (fix) {
       // Zero the V columns of the keys not ok: 64 keys x 8 panels x 8 chunks of 16 bytes.
       for (int i = tid; i < kKeys * 64; i += kThreads) {
         const int key = i >> 6, c = i & 63;
@@ -769,11 +782,11 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
       fence_proxy_async();
       __syncthreads();
     }
-    if (flags.profile == 2) continue;
+    if (profile == 2) continue;
     // Every key of the tile loaded (TMA's flag covers the split's end and bad blocks too) and
     // visible to the tile's first row, which sees the fewest (a causal row later in the
     // request sees more): the softmax then masks nothing.
-    const bool whole = tma && !fix_s[stage] && key0 + (tile + 1) * kKeys <= count_first;
+    const bool whole = tma && !fix && key0 + (tile + 1) * kKeys <= count_first;
     if constexpr (thin != 0) {
       thin_tile.template operator()<thin>(kt, stage, tile, whole);
       continue;
@@ -870,7 +883,7 @@ __device__ __forceinline__ void sm90_piece(const DecodeArgs& a, const DecodeWork
     // (2^0 is exactly 1; a row without keys yet has O = 0): a warp skips them when none of
     // its rows' max moved. Warp-uniform, so no divergence.
     auto rescale_o = [&](bool moved) {
-      if (flags.skip_rescale && !__any_sync(0xffffffffu, moved)) return;
+      if (skip_rescale && !__any_sync(0xffffffffu, moved)) return;
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         o[4 * i] *= corr_lo;
