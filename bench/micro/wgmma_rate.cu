@@ -64,29 +64,22 @@ __device__ __forceinline__ void issue(float (&acc)[128], uint32_t base, int firs
         wgmma_ss_m64n256k16<bf16, false>(acc, a, desc_k_major(base + kK + first * kPanel + k * 32),
                                          true);
     }
-  } else if constexpr (kOp == Op::kPv64) {
-    float(&o)[4][32] = *reinterpret_cast<float(*)[4][32]>(&acc[0]);
+  } else if constexpr (kOp != Op::kNone) {  // P V in column blocks of 64 or 128 columns
+    constexpr int kN = kOp == Op::kPv64 ? 64 : 128, kBlocks = 256 / kN;
+    float(&o)[kBlocks][kN / 2] = *reinterpret_cast<float(*)[kBlocks][kN / 2]>(&acc[0]);
 #pragma unroll
     for (int k = 0; k < 4; ++k)
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-        wgmma_ss_m64n64k16<bf16, true>(o[n], desc_k_major(base + kP + k * 32),
-                                       v_desc(base, first + n, k), true);
-  } else if constexpr (kOp == Op::kPv128) {
-    float(&o)[2][64] = *reinterpret_cast<float(*)[2][64]>(&acc[0]);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-        wgmma_ss_m64n128k16<bf16, true>(o[n], desc_k_major(base + kP + k * 32),
-                                        v_desc(base, first + 2 * n, k), true);
-  } else if constexpr (kOp == Op::kPv128Regs) {
-    float(&o)[2][64] = *reinterpret_cast<float(*)[2][64]>(&acc[0]);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-        wgmma_rs_m64n128k16<bf16, true>(o[n], pa[k], v_desc(base, first + 2 * n, k), true);
+      for (int n = 0; n < kBlocks; ++n) {
+        const uint64_t a = desc_k_major(base + kP + k * 32),
+                       b = v_desc(base, first + n * kN / 64, k);
+        if constexpr (kOp == Op::kPv64)
+          wgmma_ss_m64n64k16<bf16, true>(o[n], a, b, true);
+        else if constexpr (kOp == Op::kPv128)
+          wgmma_ss_m64n128k16<bf16, true>(o[n], a, b, true);
+        else
+          wgmma_rs_m64n128k16<bf16, true>(o[n], pa[k], b, true);
+      }
   }
 }
 
