@@ -40,7 +40,8 @@ constexpr int kPanel = 8192;                    // 64 rows x 128 bytes
 constexpr int kPanels = 28;                     // Q 9, key stage 0 9, P 1, key stage 1 9
 constexpr int kSmem = kPanels * kPanel + 1024;  // + alignment slack
 constexpr int kIters = 2000;
-constexpr int kQ = 0, kK = 9 * kPanel, kP = 18 * kPanel, kK1 = 19 * kPanel;  // byte offsets
+constexpr int kQ = 0, kK = 9 * kPanel, kK1 = 19 * kPanel;  // byte offsets of Q and the stages
+[[maybe_unused]] constexpr int kP = 18 * kPanel;           // of P (device code only)
 
 // Word i (4 bytes from the aligned shared-memory base) of the operands: two bf16 with random
 // sign and 7-bit mantissa, exponents 2^-8 .. 2^-1. Key stage 1 repeats stage 0's words.
