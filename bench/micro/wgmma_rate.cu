@@ -18,9 +18,9 @@
 // (the line ends "S ok" or "S WRONG" with the largest error relative to the sum of the
 // products' magnitudes), so a rate from MMAs that did not compute S is not taken for one.
 // "S, stage by iteration": the kernel's form of S, where the key tile's address changes with
-// the stage (tile parity) and the loop count is not a compile-time constant, so, as in the
-// kernel, the descriptors cannot be built once outside the loop (the kernel's SASS moves each
-// one from an ordinary register to a uniform one, `R2UR`, before its wgmma).
+// the stage (tile parity) and the loop count is not a compile-time constant: the descriptors
+// depend on the iteration, as in the kernel (whose SASS moves each one from an ordinary
+// register to a uniform one, `R2UR`, before its wgmma).
 // The first run (2026-12-08, H100) read S alone at 695 cycles, 1.66x the dense rate, while
 // the kernel's own clock stamps put its S at ~1,240 (docs/decode_sm90.md, "Where a tile's
 // cycles go, by clock stamps"): these two modes say which is the tensor pipe's rate.
