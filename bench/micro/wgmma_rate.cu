@@ -27,12 +27,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <vector>
 
 #include "cuda/common.cuh"
 #include "cuda/sm90.cuh"
+#include "kmla/numeric.hpp"
 
 namespace kmla::cuda::sm90 {
 namespace {
@@ -173,10 +173,8 @@ __global__ void __launch_bounds__(256, 1)
 double operand(int region, int row, int d) {
   const uint32_t byte =
       uint32_t(region + (d / 64) * kPanel) + swizzle128(row, d % 64 / 8) + uint32_t(d % 8 * 2);
-  const uint32_t w = operand_word(byte / 4), bits = (byte % 4 ? w >> 16 : w & 0xffffu) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  const uint32_t w = operand_word(byte / 4);
+  return bf16_to_float(uint16_t(byte % 4 ? w >> 16 : w));
 }
 
 // The largest |S - Q K^T| over the 64 x 64 tile, relative to the sum of the products'
